@@ -1,0 +1,20 @@
+"""cupykv: a paged KV-cache manager for models with mixed attention windows, on CuPy.
+
+Importing cupykv creates no stream, event, pinned buffer or device array, and works without CuPy.
+"""
+from .errors import (BackendUnavailableError, CapacityExceededError, CupykvError, DuplicateRequestError,
+                     InvalidRequestError, InvalidSpecError, OutOfSlotsError, StagingExhaustedError,
+                     StepOrderError, UnknownRequestError)
+from .layout import BAD, Layout, LayerGroup
+from .manager import KVCacheManager, Step
+from .spec import CacheSpec
+from .backends import cuda_available
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Step", "cuda_available",
+    "CupykvError", "InvalidSpecError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
+    "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
+    "BackendUnavailableError",
+]

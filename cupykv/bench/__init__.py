@@ -1,0 +1,1 @@
+"""Benchmark helpers and contenders (torch is optional and imported lazily)."""

@@ -1,0 +1,162 @@
+"""Snapshot packing and the pinned snapshot ring.
+
+A step's asynchronous host inputs travel to the device as one int32 snapshot, laid out as below, copied
+with one H2D copy from a pinned ring slot. A ring slot is written again only after the event recorded
+after its last copy has completed, and ring buffers live as long as the manager: CuPy's pinned pool
+would hand a dropped buffer to the next allocation while its copy may still be pending.
+
+Snapshot layout (int32 words; the device kernels read every count from the header):
+
+    header[HEADER_WORDS]
+    copy_idx[num_seqs]                table row of each batch entry (contexts first)
+    begs[P, num_contexts]             scratch block range of each context, per group
+    ends[P, num_contexts]
+    scratch[P, num_contexts, M]       scratch slot ids (M = header[H_SCRATCH_WIDTH])
+    run_start[num_runs]               table deltas as runs: flat start index into table[P, rows, B]
+    run_voff[num_runs + 1]            offsets of each run's values
+    values[num_values]
+    cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
+    start_pos[num_seqs]               sequence position of entry s's first new token
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import numpy as np
+
+from .errors import StagingExhaustedError
+
+H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
+H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF = range(6, 12)
+H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
+HEADER_WORDS = 16
+
+
+def runs_from_cells(cells: np.ndarray):
+    """Sorted unique flat cell indices -> (run_start, run_voff) of their contiguous runs."""
+    if len(cells) == 0:
+        return np.empty(0, np.int64), np.zeros(1, np.int64)
+    breaks = np.flatnonzero(np.diff(cells) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    return cells[starts], np.concatenate((starts, [len(cells)]))
+
+
+def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
+                   num_runs: int, num_values: int) -> int:
+    return (HEADER_WORDS + num_seqs + 2 * num_groups * num_contexts + num_groups * num_contexts * scratch_width
+            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs)
+
+
+def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
+                  cu_tokens, start_pos) -> int:
+    """Write one step's inputs into `buf` (int32, large enough); returns the words used.
+
+    begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: sorted unique flat indices of
+    changed table cells and `values` their current values.
+    """
+    num_seqs = len(copy_idx)
+    P, num_contexts = begs.shape
+    M = scratch.shape[2]
+    run_start, run_voff = runs_from_cells(cells)
+    h = buf[:HEADER_WORDS]
+    h[H_STEP] = step_id & 0x7FFFFFFF
+    h[H_NUM_RUNS] = len(run_start)
+    h[H_NUM_VALUES] = len(values)
+    h[H_NUM_SEQS] = num_seqs
+    h[H_NUM_CONTEXTS] = num_contexts
+    h[H_SCRATCH_WIDTH] = M
+    h[H_NUM_TOKENS] = cu_tokens[-1] if len(cu_tokens) else 0
+    pos = HEADER_WORDS
+    for slot, arr in ((H_OFF_COPY_IDX, copy_idx), (H_OFF_BEGS, begs), (H_OFF_ENDS, ends),
+                      (H_OFF_SCRATCH, scratch), (H_OFF_RUN_START, run_start), (H_OFF_RUN_VOFF, run_voff),
+                      (H_OFF_VALUES, values), (H_OFF_CU_TOKENS, cu_tokens), (H_OFF_START_POS, start_pos)):
+        n = int(np.size(arr))
+        h[slot] = pos
+        buf[pos:pos + n] = np.ravel(arr)
+        pos += n
+    return pos
+
+
+def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
+    """The inverse of pack_snapshot (used by the host backend's kernels and by tests)."""
+    h = snap[:HEADER_WORDS]
+    n, c, m, r = int(h[H_NUM_SEQS]), int(h[H_NUM_CONTEXTS]), int(h[H_SCRATCH_WIDTH]), int(h[H_NUM_RUNS])
+
+    def sect(off, count, shape=None):
+        a = snap[int(h[off]):int(h[off]) + count]
+        return a.reshape(shape) if shape else a
+
+    return dict(
+        step=int(h[H_STEP]), num_seqs=n, num_contexts=c, scratch_width=m, num_tokens=int(h[H_NUM_TOKENS]),
+        copy_idx=sect(H_OFF_COPY_IDX, n), begs=sect(H_OFF_BEGS, num_groups * c, (num_groups, c)),
+        ends=sect(H_OFF_ENDS, num_groups * c, (num_groups, c)),
+        scratch=sect(H_OFF_SCRATCH, num_groups * c * m, (num_groups, c, m)),
+        run_start=sect(H_OFF_RUN_START, r), run_voff=sect(H_OFF_RUN_VOFF, r + 1),
+        values=sect(H_OFF_VALUES, int(h[H_NUM_VALUES])),
+        cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n))
+
+
+class RingSlot:
+    """One pinned snapshot buffer, its device twin, and the event after its last copy."""
+
+    def __init__(self, backend, words: int):
+        self.host = backend.pinned_empty(words)
+        self.dev = backend.device_empty(words)
+        self.copied = None          # event recorded after the last copy that read `host`
+        self.retired: List = []     # outgrown device buffers kernels may still read; kept alive
+
+    @property
+    def capacity(self) -> int:
+        return len(self.host)
+
+    def busy(self) -> bool:
+        return self.copied is not None and not self.copied.done()
+
+
+class SnapshotRing:
+    """Pinned snapshot slots, reused only once their copy event has completed.
+
+    When every slot is in flight the ring grows, up to max_slots; then it waits for the oldest slot,
+    up to timeout_s, and raises StagingExhaustedError. It never hands out a busy slot.
+    """
+
+    def __init__(self, backend, words: int, initial_slots: int = 4, max_slots: int = 64, timeout_s: float = 10.0):
+        self.backend = backend
+        self.words = words
+        self.max_slots = max_slots
+        self.timeout_s = timeout_s
+        self.slots: List[RingSlot] = [RingSlot(backend, words) for _ in range(initial_slots)]
+        self._next = 0
+
+    def acquire(self, words: int) -> RingSlot:
+        n = len(self.slots)
+        for k in range(n):
+            slot = self.slots[(self._next + k) % n]
+            if not slot.busy():
+                self._next = (self._next + k + 1) % n
+                return self._fit(slot, words)
+        if n < self.max_slots:
+            slot = RingSlot(self.backend, max(words, self.words))
+            self.slots.append(slot)
+            return slot
+        oldest = self.slots[self._next]
+        if not oldest.copied.wait(self.timeout_s):
+            raise StagingExhaustedError(
+                f"all {n} snapshot slots are still being copied after {self.timeout_s} s; is the manager "
+                f"stream blocked (a gate, a consumer event that never completes)?")
+        self._next = (self._next + 1) % n
+        return self._fit(oldest, words)
+
+    def _fit(self, slot: RingSlot, words: int) -> RingSlot:
+        if words > slot.capacity:
+            # The slot's copy has completed, so its pinned buffer may go; kernels may still read the
+            # device buffer, so that one is retired, not dropped.
+            new = max(words, 2 * slot.capacity)
+            slot.host = self.backend.pinned_empty(new)
+            slot.retired.append(slot.dev)
+            slot.dev = self.backend.device_empty(new)
+        return slot
+
+    def in_flight(self) -> int:
+        return sum(s.busy() for s in self.slots)
