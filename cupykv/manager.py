@@ -76,7 +76,10 @@ class Step:
         self.ready = None                           # event: tables are written
         self.finished = None                        # event: the consumer's last read
         self.settled = False
-        self.host_inputs: Optional[dict] = None     # filled when manager.keep_host_inputs is set (tests)
+        # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
+        self.scratch_begs: Optional[np.ndarray] = None     # [P, num_contexts]
+        self.scratch_ends: Optional[np.ndarray] = None     # [P, num_contexts]
+        self.scratch_slots: Optional[np.ndarray] = None    # [P, num_contexts, M]
 
     @property
     def num_seqs(self) -> int:
@@ -123,7 +126,6 @@ class KVCacheManager:
         self.staging = staging
         self.max_steps_in_flight = max_steps_in_flight
         self.debug_verify_mirror = debug_verify_mirror
-        self.keep_host_inputs = False
         lay, be = self.layout, self.backend
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         self.pools = [SlotPool(n) for n in lay.slots_per_group]
@@ -337,9 +339,7 @@ class KVCacheManager:
         be, st = self.backend, self.backend.stream
         cells = np.unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
         self._dirty.clear()
-        if self.keep_host_inputs:
-            step.host_inputs = dict(table=self.table.copy(), copy_idx=step.rows.copy(), begs=begs.copy(),
-                                    ends=ends.copy(), scratch=scratch.copy())
+        step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         start_pos = step.start_positions.astype(np.int32)
         prev = self._in_flight[-1] if self._in_flight else None
         if prev is not None:
@@ -356,7 +356,10 @@ class KVCacheManager:
         else:
             # UNSAFE: a pinned array from the pool, dropped right after enqueue, and a copy of the live
             # table. Both are read when the copy runs, not now.
-            words = HEADER_WORDS + 4 * len(step.rows) + 4 * begs.size + scratch.size + 8
+            # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any
+            # other pinned allocation of that size class) gets the block the previous one dropped.
+            words = snapshot_words(self.spec.max_batch, self.spec.max_batch, self.layout.num_groups,
+                                   max(16, scratch.shape[2]), 0, 0)
             tmp = be.pinned_temp(words)
             empty = np.empty(0, np.int64)
             words = pack_snapshot(tmp, step.id, step.rows, begs, ends, scratch, empty, empty, cu_tokens, start_pos)

@@ -161,8 +161,14 @@ class HostBackend:
 
     # copies: each reads its source when it runs, not when it is enqueued
     def copy_h2d(self, dst: np.ndarray, src: np.ndarray, words: int, stream: SimStream) -> None:
+        # Like DMA, the queued copy holds the memory, not the array: a pool block whose array died is
+        # recycled (SimPinnedPool) while this copy still reads it.
+        raw = src.base if src.base is not None else src
+        offset = (src.__array_interface__["data"][0] - raw.__array_interface__["data"][0]) // src.itemsize
+        raw = raw.reshape(-1)
+
         def run():
-            dst.reshape(-1)[:words] = src.reshape(-1)[:words]
+            dst.reshape(-1)[:words] = raw[offset:offset + words]
         stream.enqueue(run)
 
     def copy_d2d(self, dst: np.ndarray, src: np.ndarray, stream: SimStream) -> None:
