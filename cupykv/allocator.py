@@ -13,7 +13,11 @@ import numpy as np
 
 
 class SlotPool:
-    """Free slots of one group as a stack (lowest ids first out), plus the quarantine."""
+    """Free slots of one group as a stack, plus the quarantine.
+
+    The order is deterministic (a fresh pool hands out 0, 1, 2, ...; reclaimed slots come out next, in
+    ascending order per reclaim), so managers that see the same calls make the same decisions.
+    """
 
     def __init__(self, num_slots: int):
         self.total = num_slots

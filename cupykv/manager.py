@@ -254,10 +254,10 @@ class KVCacheManager:
             if req.capacity < req.prompt_len:
                 raise InvalidRequestError(f"request {rid!r}: cannot decode before its whole prompt is scheduled "
                                           f"({req.capacity} of {req.prompt_len} tokens)")
-            if req.capacity + num_gen_tokens > spec.max_seq_len + spec.max_rewind:
+            if req.capacity + num_gen_tokens > spec.max_seq_len:
                 raise CapacityExceededError(
                     f"request {rid!r}: {req.capacity} + {num_gen_tokens} tokens exceeds max_seq_len="
-                    f"{spec.max_seq_len} (+ max_rewind={spec.max_rewind})")
+                    f"{spec.max_seq_len}")
             entries.append(req)
             tokens.append(int(num_gen_tokens))
         num_contexts = len(ctx_items)
@@ -274,15 +274,15 @@ class KVCacheManager:
                 need[g.index] += (hi - lo) - n_scratch + lay.scratch_slots_needed(g, n_scratch)
                 per_group.append((lo, hi, s_lo, s_hi))
             new_blocks.append(per_group)
-        self._poll()
         for p, pool in enumerate(self.pools):
-            if need[p] > pool.num_free:
-                self._reclaim_waiting(p, need[p])
-                if need[p] > pool.num_free:
+            if need[p] > self._available(p):
+                self._wait_for_slots(p, need[p])
+                if need[p] > self._available(p):
                     raise OutOfSlotsError(
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                        f"{pool.num_free} free, {pool.num_quarantined} quarantined by unfinished steps")
-        if len(self._in_flight) >= self.max_steps_in_flight:
+                        f"{self._available(p)} free, "
+                        f"{pool.num_quarantined} quarantined by unfinished steps")
+        if len(self._in_flight) - self._completed_count() >= self.max_steps_in_flight:
             raise StepOrderError(f"{len(self._in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         new_cells = sum(hi - lo for per in new_blocks for (lo, hi, _, _) in per)
@@ -297,6 +297,7 @@ class KVCacheManager:
 
     def _commit(self, plan: dict) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail after _plan."""
+        self._poll()
         lay, be = self.layout, self.backend
         entries, tokens, C = plan["entries"], plan["tokens"], plan["num_contexts"]
         P, M = lay.num_groups, plan["scratch_width"]
@@ -464,23 +465,36 @@ class KVCacheManager:
         self._dirty.append((p * self.spec.max_batch + row) * B + np.asarray(blocks, np.int64))
 
     # -- completion ------------------------------------------------------------------------------
+    def _completed_count(self) -> int:
+        """How many in-flight steps, from the oldest on, have completed (observes; changes nothing)."""
+        k = 0
+        while k < len(self._in_flight) and self._in_flight[k].is_complete():
+            k += 1
+        return k
+
+    def _available(self, p: int) -> int:
+        """Slots of group p that allocation could use now: free, plus quarantine already lifted."""
+        k = self._completed_count()
+        through = self._in_flight[k - 1].id if k else self._finished_through
+        return self.pools[p].num_free + self.pools[p].quarantined_through(through)
+
     def _poll(self) -> None:
         """Advance the finished watermark over completed steps and lift their quarantine."""
-        while self._in_flight and self._in_flight[0].is_complete():
-            self._finished_through = self._in_flight.pop(0).id
+        k = self._completed_count()
+        if k:
+            self._finished_through = self._in_flight[k - 1].id
+            del self._in_flight[:k]
         for pool in self.pools:
             pool.reclaim(self._finished_through)
 
-    def _reclaim_waiting(self, p: int, need: int) -> None:
+    def _wait_for_slots(self, p: int, need: int) -> None:
         """Wait for finish events (oldest first) when the quarantine of group p can cover the shortfall."""
-        pool = self.pools[p]
-        if pool.num_free + pool.num_quarantined < need:
+        if self.pools[p].num_free + self.pools[p].num_quarantined < need:
             return
-        for step in list(self._in_flight):
-            if pool.num_free >= need or step.finished is None:
+        for step in self._in_flight:
+            if self._available(p) >= need or step.finished is None:
                 return
             step.finished.wait(self.ring.timeout_s)
-            self._poll()
 
     def reclaim(self, wait: bool = False) -> None:
         """Lift the quarantine of steps that have finished; with wait=True, wait for all finish events."""

@@ -1,0 +1,345 @@
+"""SlotPool against a plain Python model, and the manager's quarantine of released slots."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cupykv import BAD, CacheSpec, KVCacheManager, OutOfSlotsError
+from cupykv.allocator import SlotPool
+
+
+# --------------------------------------------------------------------------------------------------
+# SlotPool, by hand
+# --------------------------------------------------------------------------------------------------
+def test_fresh_pool_allocates_lowest_first():
+    pool = SlotPool(10)
+    assert pool.num_free == 10 and pool.num_quarantined == 0
+    assert pool.allocate(3).tolist() == [0, 1, 2]
+    assert pool.allocate(0).tolist() == []
+    assert pool.allocate(2).tolist() == [3, 4]
+    assert pool.num_free == 5
+    assert sorted(pool.free_slots().tolist()) == [5, 6, 7, 8, 9]
+
+
+def test_release_goes_to_quarantine_not_free():
+    pool = SlotPool(6)
+    a = pool.allocate(4)
+    pool.release(a[[1, 3]], tag=0)
+    assert pool.num_free == 2
+    assert pool.num_quarantined == 2
+    assert sorted(pool.quarantined_slots().tolist()) == [1, 3]
+    assert set(pool.free_slots().tolist()) == {4, 5}
+    # quarantined slots are not handed out
+    assert pool.allocate(2).tolist() == [4, 5]
+    assert pool.num_free == 0
+
+
+def test_reclaim_frees_exactly_tags_up_to_t():
+    pool = SlotPool(8)
+    pool.allocate(8)
+    pool.release(np.array([0]), tag=1)
+    pool.release(np.array([2, 1]), tag=2)
+    pool.release(np.array([3]), tag=2)       # same tag as the last entry
+    pool.release(np.array([4]), tag=5)
+    assert pool.num_quarantined == 5
+    assert pool.quarantined_through(0) == 0
+    assert pool.quarantined_through(2) == 4
+    assert pool.quarantined_through(4) == 4
+    assert pool.quarantined_through(5) == 5
+    assert pool.reclaim(0) == 0 and pool.num_free == 0
+    assert pool.reclaim(1) == 1
+    assert pool.free_slots().tolist() == [0]
+    assert pool.reclaim(2) == 3
+    assert sorted(pool.free_slots().tolist()) == [0, 1, 2, 3]
+    assert pool.quarantined_slots().tolist() == [4]
+    assert pool.reclaim(4) == 0
+    assert pool.reclaim(5) == 1
+    assert pool.num_quarantined == 0 and pool.num_free == 5
+
+
+def test_one_reclaim_is_reused_lowest_first():
+    pool = SlotPool(8)
+    pool.allocate(8)
+    pool.release(np.array([6, 1, 4]), tag=0)
+    pool.reclaim(0)
+    assert pool.allocate(3).tolist() == [1, 4, 6]
+
+
+def test_reuse_order_is_deterministic():
+    """Reclaimed slots come back on top, ascending per reclaim; two pools fed the same calls agree."""
+    pools = [SlotPool(10), SlotPool(10)]
+    for pool in pools:
+        pool.allocate(9)                      # 0..8; free {9}
+        pool.release(np.array([0]), tag=0)
+        pool.reclaim(0)
+        pool.release(np.array([8]), tag=1)
+        pool.reclaim(1)
+    got = [pool.allocate(3).tolist() for pool in pools]
+    assert got[0] == got[1] == [8, 0, 9]
+
+
+# --------------------------------------------------------------------------------------------------
+# SlotPool against a model
+# --------------------------------------------------------------------------------------------------
+class PoolModel:
+    def __init__(self, n):
+        self.total = n
+        self.free = set(range(n))
+        self.owned = []          # allocated, in allocation order
+        self.quarantine = []     # (tag, [slots]), tags non-decreasing
+
+    def reclaim(self, t):
+        keep, moved = [], 0
+        for tag, slots in self.quarantine:
+            if tag <= t:
+                self.free.update(slots)
+                moved += len(slots)
+            else:
+                keep.append((tag, slots))
+        self.quarantine = keep
+        return moved
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 6)),
+    st.tuples(st.just("release"), st.lists(st.integers(0, 1000), max_size=4, unique=True)),
+    st.tuples(st.just("tick"), st.integers(0, 2)),
+    st.tuples(st.just("reclaim"), st.integers(-1, 3)),
+), max_size=60)
+
+
+def _check(pool, model):
+    free = pool.free_slots().tolist()
+    quar = pool.quarantined_slots().tolist()
+    assert len(free) == len(set(free)) == pool.num_free
+    assert set(free) == model.free
+    assert sorted(quar) == sorted(s for _, ss in model.quarantine for s in ss)
+    assert pool.num_quarantined == len(quar)
+    # conservation: every slot is in exactly one of free / quarantined / owned
+    every = free + quar + model.owned
+    assert sorted(every) == list(range(model.total))
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 24), ops=ops)
+def test_pool_matches_model(n, ops):
+    pool, twin, model = SlotPool(n), SlotPool(n), PoolModel(n)
+    tag = 0
+    for op, arg in ops:
+        if op == "alloc":
+            k = min(arg, len(model.free))
+            got = pool.allocate(k).tolist()
+            assert twin.allocate(k).tolist() == got          # deterministic
+            assert len(got) == k == len(set(got))
+            assert set(got) <= model.free
+            model.free -= set(got)
+            model.owned += got
+        elif op == "release":
+            if not model.owned:
+                continue
+            picks = sorted({i % len(model.owned) for i in arg}, reverse=True)
+            slots = [model.owned.pop(i) for i in picks]
+            pool.release(np.array(slots, np.int32), tag)
+            twin.release(np.array(slots, np.int32), tag)
+            if slots:
+                model.quarantine.append((tag, slots))
+        elif op == "tick":
+            tag += arg
+        else:
+            t = tag - 1 + arg        # around the current tag
+            assert pool.reclaim(t) == model.reclaim(t)
+            twin.reclaim(t)
+        _check(pool, model)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 24), ks=st.lists(st.integers(0, 5), max_size=10))
+def test_allocations_without_release_are_ascending(n, ks):
+    pool, nxt = SlotPool(n), 0
+    for k in ks:
+        k = min(k, pool.num_free)
+        assert pool.allocate(k).tolist() == list(range(nxt, nxt + k))
+        nxt += k
+
+
+# --------------------------------------------------------------------------------------------------
+# The manager's quarantine, with host-backend gates
+# --------------------------------------------------------------------------------------------------
+def small_mgr(**kw):
+    args = dict(windows=[32, None, 32], num_kv_heads=2, head_dim=8, tokens_per_block=16, max_seq_len=256,
+                max_batch=4, slots_per_group=64, max_rewind=2)
+    args.update(kw)
+    return KVCacheManager(CacheSpec(**args), backend="host")
+
+
+def row_slots(mgr, rid):
+    row = mgr.request(rid).row
+    return [sorted(int(v) for v in mgr.table[p, row] if v != BAD) for p in range(mgr.layout.num_groups)]
+
+
+def conserved(mgr):
+    for g in mgr.stats()["groups"]:
+        assert g["free"] + g["owned"] + g["scratch"] + g["quarantined"] == g["total"]
+        assert min(g["free"], g["owned"], g["scratch"], g["quarantined"]) >= 0
+
+
+def group_stat(mgr, key):
+    return [g[key] for g in mgr.stats()["groups"]]
+
+
+def test_free_during_unfinished_step_is_quarantined():
+    mgr = small_mgr()
+    be = mgr.backend
+    mgr.add("A", 40)                      # ceil(40/16) = 3 blocks per group, no scratch:
+    gate = be.gate(be.stream)             # stale(40 - 2) hi = (39 - 32) // 16 = 0
+    s0 = mgr.prepare_batch(contexts={"A": 40})
+    s0.finish()                           # recorded behind the gate: cannot complete
+    mgr.settle(s0)
+    assert row_slots(mgr, "A") == [[0, 1, 2], [0, 1, 2]]
+    assert not s0.is_complete()
+
+    mgr.free("A")
+    assert group_stat(mgr, "quarantined") == [3, 3]
+    assert group_stat(mgr, "free") == [61, 61]
+    assert group_stat(mgr, "owned") == [0, 0]
+    conserved(mgr)
+    mgr.reclaim()                          # step 0 still unfinished: nothing moves
+    assert group_stat(mgr, "quarantined") == [3, 3]
+
+    mgr.add("B", 40)
+    s1 = mgr.prepare_batch(contexts={"B": 40})
+    assert row_slots(mgr, "B") == [[3, 4, 5], [3, 4, 5]]   # not 0, 1, 2
+    for p in range(2):
+        assert not set(row_slots(mgr, "B")[p]) & {0, 1, 2}
+        assert not {0, 1, 2} & set(mgr.pools[p].free_slots().tolist())
+    assert group_stat(mgr, "quarantined") == [3, 3]
+    s1.finish()
+    mgr.settle(s1)
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [3, 3]
+
+    gate.open()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [0, 0]
+    assert group_stat(mgr, "free") == [61, 61]
+    conserved(mgr)
+    mgr.add("C", 40)
+    s2 = mgr.prepare_batch(contexts={"C": 40})
+    assert row_slots(mgr, "C") == [[0, 1, 2], [0, 1, 2]]    # A's slots are back
+    s2.finish()
+    mgr.settle(s2)
+    mgr.synchronize()
+    conserved(mgr)
+
+
+def test_free_before_settle_while_step_unfinished():
+    mgr = small_mgr()
+    be = mgr.backend
+    mgr.add("A", 32)
+    gate = be.gate(be.stream)
+    s0 = mgr.prepare_batch(contexts={"A": 32})
+    s0.finish()
+    mgr.free("A")                          # step 0 still unsettled and unfinished
+    assert group_stat(mgr, "quarantined") == [2, 2]
+    mgr.settle(s0)                         # A is gone: nothing more to release
+    assert group_stat(mgr, "quarantined") == [2, 2]
+    conserved(mgr)
+    mgr.add("B", 16)
+    s1 = mgr.prepare_batch(contexts={"B": 16})
+    assert row_slots(mgr, "B") == [[2], [2]]
+    s1.finish()
+    mgr.settle(s1)
+    gate.open()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [0, 0]
+    assert group_stat(mgr, "owned") == [1, 1]
+    assert sorted(mgr.pools[0].free_slots().tolist()) == [0, 1] + list(range(3, 64))
+
+
+def test_free_quarantines_behind_the_last_prepared_step():
+    # Step 0 (A) has finished; step 1 (B) has not. free(A) is tagged with step 1, the last step prepared
+    # when the release happened, so A's slots wait for step 1 too.
+    mgr = small_mgr()
+    be = mgr.backend
+    mgr.add("A", 16)
+    mgr.add("B", 16)
+    s0 = mgr.prepare_batch(contexts={"A": 16})
+    s0.finish()
+    mgr.settle(s0)
+    mgr.synchronize()
+    assert s0.is_complete()
+    gate = be.gate(be.stream)
+    s1 = mgr.prepare_batch(contexts={"B": 16})
+    s1.finish()
+    mgr.free("A")
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [1, 1]
+    mgr.add("C", 16)
+    mgr.settle(s1)
+    s2 = mgr.prepare_batch(contexts={"C": 16})
+    assert row_slots(mgr, "C") == [[2], [2]]          # not A's slot 0
+    s2.finish()
+    mgr.settle(s2)
+    gate.open()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [0, 0]
+    conserved(mgr)
+
+
+def test_shortage_covered_by_quarantine_waits_for_the_gate():
+    # 4 slots per group. A holds all 4 (prompt 64 -> 4 blocks; SWA: block 0 is scratch, stale(62) hi =
+    # (63 - 32) // 16 = 1, so 3 own + 1 scratch slot). Freed while its step is held by the gate, they
+    # are quarantined; a new request cannot get them until the gate opens.
+    mgr = small_mgr(slots_per_group=4)
+    be = mgr.backend
+    mgr.add("A", 64)
+    gate = be.gate(be.stream)
+    s0 = mgr.prepare_batch(contexts={"A": 64})
+    assert group_stat(mgr, "scratch") == [1, 0]
+    assert group_stat(mgr, "free") == [0, 0]
+    s0.finish()
+    mgr.settle(s0)
+    mgr.free("A")
+    assert group_stat(mgr, "quarantined") == [4, 4]
+    mgr.add("B", 16)
+    before = mgr.state()
+    with pytest.raises(OutOfSlotsError, match="quarantined"):
+        mgr.prepare_batch(contexts={"B": 16})
+    assert mgr.state() == before
+    gate.open()
+    s1 = mgr.prepare_batch(contexts={"B": 16})     # the quarantine is lifted on the way
+    assert row_slots(mgr, "B") == [[0], [0]]
+    s1.finish()
+    mgr.settle(s1)
+    mgr.synchronize()
+    assert group_stat(mgr, "free") == [3, 3]
+    conserved(mgr)
+
+
+def test_stale_swa_blocks_are_quarantined_until_the_step_finishes():
+    # A: prompt 64 in one chunk, then 32 decode steps. Settling history h releases SWA blocks below
+    # (h + 1 - 32) // 16. With the gate closed, those slots stay quarantined.
+    mgr = small_mgr()
+    be = mgr.backend
+    mgr.add("A", 64)
+    s = mgr.prepare_batch(contexts={"A": 64})
+    s.finish()
+    mgr.settle(s)
+    mgr.synchronize()
+    # after h=64: stale hi = 33 // 16 = 2: blocks 0 (scratch) and 1 released; own SWA blocks 2, 3
+    assert group_stat(mgr, "owned") == [2, 4]
+    gate = be.gate(be.stream)
+    held = set()
+    for _ in range(32):                     # h 64 -> 96: stale hi (97 - 32) // 16 = 4
+        before = set(row_slots(mgr, "A")[0])
+        s = mgr.prepare_batch(generation=["A"])
+        s.finish()
+        mgr.settle(s)
+        held |= before - set(row_slots(mgr, "A")[0])
+    assert len(held) == 2                   # blocks 2 and 3 went stale
+    assert group_stat(mgr, "quarantined")[0] == 2
+    assert not held & set(mgr.pools[0].free_slots().tolist())
+    gate.open()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [0, 0]
+    assert held <= set(mgr.pools[0].free_slots().tolist())
+    conserved(mgr)

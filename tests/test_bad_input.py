@@ -1,0 +1,333 @@
+"""Every bad call raises its specific error, names the bad thing, leaves mgr.state() unchanged, and the
+manager keeps working afterwards (DESIGN.md section 6: check first, then mutate)."""
+import numpy as np
+import pytest
+
+from cupykv import (BAD, CacheSpec, CapacityExceededError, CupykvError, DuplicateRequestError,
+                    InvalidRequestError, KVCacheManager, OutOfSlotsError, StepOrderError, UnknownRequestError)
+from cupykv.layout import cdiv
+from cupykv.reference import convert_per_layer
+
+TPB, W = 16, 32
+
+
+def make_mgr(**kw):
+    args = dict(windows=[W, None, W], num_kv_heads=2, head_dim=8, tokens_per_block=TPB, max_seq_len=256,
+                max_batch=4, slots_per_group=64, max_rewind=2)
+    args.update(kw)
+    return KVCacheManager(CacheSpec(**args), backend="host")
+
+
+def expect_fail(mgr, exc, needles, fn):
+    before = mgr.state()
+    with pytest.raises(exc) as ei:
+        fn()
+    assert isinstance(ei.value, CupykvError)
+    msg = str(ei.value)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert mgr.state() == before
+    return ei.value
+
+
+def check_invariants(mgr):
+    """With every step settled: each request holds exactly the blocks the spec says, and every slot is
+    owned once, free, or quarantined."""
+    lay = mgr.layout
+    for g in lay.groups:
+        pool = mgr.pools[g.index]
+        owned = []
+        for rid in mgr.request_ids:
+            req = mgr.request(rid)
+            assert not req.pending
+            h = req.history
+            top = cdiv(h, TPB)
+            # SWA: [(h + 1 - W) // tpb, ceil(h / tpb)) (no sinks here); full: [0, ceil(h / tpb))
+            lo = max(0, (h + 1 - g.window) // TPB) if g.window is not None else 0
+            row = mgr.table[g.index, req.row]
+            want = np.zeros(lay.max_blocks, bool)
+            want[lo:top] = True
+            assert ((row != BAD) == want).all(), (rid, g.index, h, row)
+            owned += row[row != BAD].tolist()
+        everything = owned + pool.free_slots().tolist() + pool.quarantined_slots().tolist()
+        assert sorted(everything) == list(range(pool.total))
+
+
+def run_step(mgr, contexts=None, generation=(), num_gen_tokens=1, accepted=None):
+    """A valid step end to end; its tables are checked against the NumPy reference."""
+    step = mgr.prepare_batch(contexts=contexts or {}, generation=generation, num_gen_tokens=num_gen_tokens)
+    table = mgr.table.copy()
+    step.finish()
+    mgr.synchronize()
+    lay = mgr.layout
+    want = convert_per_layer(table, step.rows, step.num_contexts, step.scratch_begs, step.scratch_ends,
+                             step.scratch_slots, lay.layer_group, lay.group_scale, lay.layer_koff,
+                             max_batch=mgr.spec.max_batch)
+    got = mgr.backend.to_numpy(mgr.out)
+    n = step.num_seqs
+    assert (got[:, :n] == want[:, :n]).all()
+    mgr.settle(step, accepted)
+    mgr.synchronize()
+    check_invariants(mgr)
+    return step
+
+
+def prefilled(mgr, rid, n):
+    mgr.add(rid, n)
+    run_step(mgr, contexts={rid: n})
+
+
+# --------------------------------------------------------------------------------------------------
+# unknown ids
+# --------------------------------------------------------------------------------------------------
+def test_unknown_id_in_contexts():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    expect_fail(mgr, UnknownRequestError, ["'nope'"], lambda: mgr.prepare_batch(contexts={"nope": 4}))
+    # a valid entry next to the unknown one must not get slots either
+    expect_fail(mgr, UnknownRequestError, ["'nope'"],
+                lambda: mgr.prepare_batch(contexts={"A": 20, "nope": 4}))
+    run_step(mgr, contexts={"A": 20})
+    assert mgr.request("A").history == 20
+
+
+def test_unknown_id_in_generation():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    expect_fail(mgr, UnknownRequestError, ["'ghost'"], lambda: mgr.prepare_batch(generation=["A", "ghost"]))
+    run_step(mgr, generation=["A"])
+    assert mgr.request("A").history == 21
+
+
+def test_unknown_id_in_settle_map():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    step = mgr.prepare_batch(generation=["A"], num_gen_tokens=2)
+    step.finish()
+    expect_fail(mgr, UnknownRequestError, ["'B'"], lambda: mgr.settle(step, accepted={"A": 2, "B": 1}))
+    mgr.settle(step, accepted={"A": 1})
+    mgr.synchronize()
+    assert mgr.request("A").history == 21 and mgr.request("A").capacity == 21
+    check_invariants(mgr)
+    run_step(mgr, generation=["A"])
+
+
+def test_unknown_id_in_free():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    expect_fail(mgr, UnknownRequestError, ["'nope'"], lambda: mgr.free("nope"))
+    expect_fail(mgr, UnknownRequestError, ["[1]"], lambda: mgr.free([1]))   # unhashable
+    mgr.free("A")
+    expect_fail(mgr, UnknownRequestError, ["'A'"], lambda: mgr.free("A"))   # freed twice
+    mgr.add("A", 20)
+    run_step(mgr, contexts={"A": 20})
+
+
+# --------------------------------------------------------------------------------------------------
+# duplicates
+# --------------------------------------------------------------------------------------------------
+def test_duplicate_add():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    expect_fail(mgr, DuplicateRequestError, ["'A'"], lambda: mgr.add("A", 30))
+    assert mgr.request("A").prompt_len == 20
+    run_step(mgr, contexts={"A": 20})
+
+
+def test_duplicate_in_contexts():
+    mgr = make_mgr()
+    mgr.add("A", 40)
+    expect_fail(mgr, DuplicateRequestError, ["'A'"], lambda: mgr.prepare_batch(contexts=[("A", 8), ("A", 8)]))
+    run_step(mgr, contexts=[("A", 8)])
+    assert mgr.request("A").history == 8
+
+
+def test_duplicate_in_contexts_and_generation():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    mgr.add("B", 40)
+    expect_fail(mgr, DuplicateRequestError, ["'B'"],
+                lambda: mgr.prepare_batch(contexts={"B": 8}, generation=["A", "B"]))
+    expect_fail(mgr, DuplicateRequestError, ["'A'"], lambda: mgr.prepare_batch(generation=["A", "A"]))
+    run_step(mgr, contexts={"B": 8}, generation=["A"])
+    assert (mgr.request("A").history, mgr.request("B").history) == (21, 8)
+
+
+# --------------------------------------------------------------------------------------------------
+# sizes and states
+# --------------------------------------------------------------------------------------------------
+def test_prompt_longer_than_max_seq_len():
+    mgr = make_mgr()
+    expect_fail(mgr, CapacityExceededError, ["'A'", "257", "max_seq_len=256"], lambda: mgr.add("A", 257))
+    expect_fail(mgr, InvalidRequestError, ["'A'", "prompt_len"], lambda: mgr.add("A", 0))
+    assert "A" not in mgr
+    mgr.add("A", 256)
+    run_step(mgr, contexts={"A": 256})
+
+
+def test_context_chunk_past_the_prompt():
+    mgr = make_mgr()
+    mgr.add("A", 40)
+    expect_fail(mgr, InvalidRequestError, ["'A'", "41"], lambda: mgr.prepare_batch(contexts={"A": 41}))
+    run_step(mgr, contexts={"A": 32})
+    # 32 of 40 scheduled: 9 more is one too many
+    expect_fail(mgr, InvalidRequestError, ["'A'", "9", "32 of 40"], lambda: mgr.prepare_batch(contexts={"A": 9}))
+    expect_fail(mgr, InvalidRequestError, ["'A'"], lambda: mgr.prepare_batch(contexts={"A": 0}))
+    run_step(mgr, contexts={"A": 8})
+    assert mgr.request("A").history == 40
+
+
+def test_decode_before_prompt_scheduled():
+    mgr = make_mgr()
+    mgr.add("A", 40)
+    expect_fail(mgr, InvalidRequestError, ["'A'", "0 of 40"], lambda: mgr.prepare_batch(generation=["A"]))
+    run_step(mgr, contexts={"A": 16})
+    expect_fail(mgr, InvalidRequestError, ["'A'", "16 of 40"], lambda: mgr.prepare_batch(generation=["A"]))
+    run_step(mgr, contexts={"A": 24})
+    run_step(mgr, generation=["A"])
+    assert mgr.request("A").history == 41
+
+
+def test_decode_past_max_seq_len():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 256)
+    # 256 + 3 > max_seq_len 256 + max_rewind 2
+    expect_fail(mgr, CapacityExceededError, ["'A'", "max_seq_len=256"],
+                lambda: mgr.prepare_batch(generation=["A"], num_gen_tokens=3))
+    prefilled(mgr, "B", 200)
+    run_step(mgr, generation=["B"])
+    assert mgr.request("B").history == 201
+
+
+def test_history_never_exceeds_max_seq_len():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 256)
+    with pytest.raises(CapacityExceededError, match="max_seq_len"):
+        step = mgr.prepare_batch(generation=["A"], num_gen_tokens=1)
+        step.finish()
+        mgr.settle(step)                    # all accepted: history would be 257
+
+
+def test_decode_at_max_seq_len_without_rewind():
+    mgr = make_mgr(max_rewind=0)
+    prefilled(mgr, "A", 255)
+    run_step(mgr, generation=["A"])         # 256 = max_seq_len: fine
+    expect_fail(mgr, CapacityExceededError, ["'A'", "max_seq_len=256"],
+                lambda: mgr.prepare_batch(generation=["A"]))
+
+
+def test_more_requests_than_rows():
+    mgr = make_mgr()
+    for rid in "ABCD":
+        mgr.add(rid, 16)
+    expect_fail(mgr, CapacityExceededError, ["'E'", "max_batch=4"], lambda: mgr.add("E", 16))
+    run_step(mgr, contexts={"A": 16, "B": 16, "C": 16, "D": 16})
+    mgr.free("C")
+    mgr.add("E", 16)
+    assert mgr.request("E").row == 2         # C's row, the lowest free
+    run_step(mgr, contexts={"E": 16})
+
+
+# --------------------------------------------------------------------------------------------------
+# settle
+# --------------------------------------------------------------------------------------------------
+def test_reject_more_than_max_rewind():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    step = mgr.prepare_batch(generation=["A"], num_gen_tokens=4)
+    step.finish()
+    # 4 scheduled, 1 accepted: 3 rejected > max_rewind 2
+    expect_fail(mgr, CapacityExceededError, ["'A'", "3", "max_rewind=2"],
+                lambda: mgr.settle(step, accepted={"A": 1}))
+    expect_fail(mgr, CapacityExceededError, ["'A'", "max_rewind=2"], lambda: mgr.settle(step, accepted=[0]))
+    mgr.settle(step, accepted={"A": 2})      # 2 rejected: allowed
+    mgr.synchronize()
+    req = mgr.request("A")
+    assert (req.history, req.capacity) == (22, 22)
+    check_invariants(mgr)
+    run_step(mgr, generation=["A"])
+
+
+def test_accepted_out_of_range():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    mgr.add("B", 40)
+    step = mgr.prepare_batch(contexts={"B": 16}, generation=["A"], num_gen_tokens=2)
+    step.finish()
+    expect_fail(mgr, InvalidRequestError, ["'A'", "accepted=3"], lambda: mgr.settle(step, accepted={"A": 3}))
+    expect_fail(mgr, InvalidRequestError, ["'A'", "accepted=-1"], lambda: mgr.settle(step, accepted={"A": -1}))
+    expect_fail(mgr, InvalidRequestError, ["'A'"], lambda: mgr.settle(step, accepted={"A": 1.5}))
+    expect_fail(mgr, InvalidRequestError, ["'B'", "whole"], lambda: mgr.settle(step, accepted={"B": 8}))
+    expect_fail(mgr, InvalidRequestError, ["1 entries", "2"], lambda: mgr.settle(step, accepted=[2]))
+    expect_fail(mgr, InvalidRequestError, ["'A'", "accepted=5"], lambda: mgr.settle(step, accepted=[16, 5]))
+    mgr.settle(step, accepted=[16, 1])
+    mgr.synchronize()
+    assert (mgr.request("A").history, mgr.request("B").history) == (21, 16)
+    check_invariants(mgr)
+    run_step(mgr, contexts={"B": 24}, generation=["A"])
+
+
+def test_settle_out_of_order_and_twice():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    mgr.add("B", 20)
+    s0 = mgr.prepare_batch(contexts={"A": 20})
+    s0.finish()
+    s1 = mgr.prepare_batch(contexts={"B": 20})
+    s1.finish()
+    expect_fail(mgr, StepOrderError, ["step 0", "1"], lambda: mgr.settle(s1))
+    mgr.settle(s0)
+    expect_fail(mgr, StepOrderError, ["step 0", "already settled"], lambda: mgr.settle(s0))
+    mgr.settle(s1)
+    expect_fail(mgr, StepOrderError, ["step 1"], lambda: mgr.settle(s1))
+    expect_fail(mgr, StepOrderError, ["step 0"], lambda: s0.finish())
+    mgr.synchronize()
+    check_invariants(mgr)
+    run_step(mgr, generation=["A", "B"])
+
+
+def test_step_of_another_manager():
+    mgr, other = make_mgr(), make_mgr()
+    other.add("A", 20)
+    step = other.prepare_batch(contexts={"A": 20})
+    step.finish()
+    mgr.add("A", 20)
+    expect_fail(mgr, StepOrderError, ["another manager"], lambda: mgr.settle(step))
+    run_step(mgr, contexts={"A": 20})
+
+
+def test_prepare_before_previous_step_finished():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    mgr.add("B", 20)
+    s0 = mgr.prepare_batch(contexts={"A": 20})
+    expect_fail(mgr, StepOrderError, ["step 0", "finish"], lambda: mgr.prepare_batch(contexts={"B": 20}))
+    s0.finish()
+    mgr.settle(s0)
+    run_step(mgr, contexts={"B": 20})
+
+
+# --------------------------------------------------------------------------------------------------
+# out of slots
+# --------------------------------------------------------------------------------------------------
+def test_out_of_slots():
+    # 4 slots per group. A: prompt 64 -> blocks 0..3; SWA block 0 is scratch (stale(64 - 2) hi =
+    # (63 - 32) // 16 = 1): 3 own + 1 scratch = 4 in group 0, 4 own in group 1. After settling h=64,
+    # SWA stale hi = (65 - 32) // 16 = 2 frees the scratch slot and block 1's slot: group 0 has 2 free,
+    # group 1 has 0.
+    mgr = make_mgr(slots_per_group=4)
+    prefilled(mgr, "A", 64)
+    assert [g["free"] for g in mgr.stats()["groups"]] == [2, 0]
+    mgr.add("B", 16)
+    expect_fail(mgr, OutOfSlotsError, ["group 1", "needs 1", "0 free"], lambda: mgr.prepare_batch(contexts={"B": 16}))
+    # all or nothing: A's decode (block 4, one slot per group) fits group 0 but not group 1
+    expect_fail(mgr, OutOfSlotsError, ["group 1", "needs 1"], lambda: mgr.prepare_batch(generation=["A"]))
+    mgr.free("A")
+    mgr.synchronize()
+    run_step(mgr, contexts={"B": 16})
+    mgr.add("C", 48)                         # 3 blocks; 3 free in each group; no scratch (stale(46)=0)
+    mgr.add("D", 16)                         # one more: 4 > 3
+    expect_fail(mgr, OutOfSlotsError, ["needs 4", "3 free"], lambda: mgr.prepare_batch(contexts={"C": 48, "D": 16}))
+    run_step(mgr, contexts={"C": 48})
+    # settled h=48: SWA stale hi = (49 - 32) // 16 = 1 -> C's block 0 goes back to group 0
+    assert [g["free"] for g in mgr.stats()["groups"]] == [1, 0]
