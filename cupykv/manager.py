@@ -52,6 +52,7 @@ class _Consts:
     layer_group: np.ndarray
     layer_koff: np.ndarray
     group_scale: np.ndarray
+    tokens_per_block: int
     d_layer_group: object = None
     d_layer_koff: object = None
     d_group_scale: object = None
@@ -138,13 +139,17 @@ class KVCacheManager:
         self._free_rows = list(range(rows))
         heapq.heapify(self._free_rows)
         self._consts = _Consts(P, lay.num_layers, rows, spec.max_batch, B, lay.layer_group, lay.layer_koff,
-                               lay.group_scale)
+                               lay.group_scale, lay.tpb)
         self._consts.d_layer_group = be.upload(lay.layer_group)
         self._consts.d_layer_koff = be.upload(lay.layer_koff)
         self._consts.d_group_scale = be.upload(lay.group_scale)
         self.mirror = be.device_full((P, rows, B), BAD, np.int32)
         out_planes = P if spec.table_mode == "shared" else lay.num_layers
         self.out = be.device_full((out_planes, spec.max_batch, 2, B), BAD, np.int32)
+        # Where each new token's K/V goes: page index of its K page per layer (V is K + 1) and the
+        # position inside the page, in batch order.
+        self.write_pages = be.device_full((lay.num_layers, spec.step_token_capacity), BAD, np.int32)
+        self.write_offsets = be.device_full((spec.step_token_capacity,), 0, np.int32)
         base_words = snapshot_words(spec.max_batch, 0, P, 0, 64, 1024)
         self.ring = SnapshotRing(be, base_words, ring_slots, max_ring_slots, staging_timeout_s)
         self._next_step_id = 0
@@ -261,6 +266,9 @@ class KVCacheManager:
             entries.append(req)
             tokens.append(int(num_gen_tokens))
         num_contexts = len(ctx_items)
+        if sum(tokens) > spec.step_token_capacity:
+            raise CapacityExceededError(f"the step schedules {sum(tokens)} tokens; max_step_tokens="
+                                        f"{spec.step_token_capacity}")
         # Blocks that need a slot of their own, and scratch, per group.
         need = [0] * lay.num_groups
         new_blocks = []          # per entry, per group: (lo, hi, scratch_lo, scratch_hi)
@@ -373,8 +381,10 @@ class KVCacheManager:
             self.h2d_bytes_last_step = (words + self.table.size) * 4
             del tmp
         be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
-        be.convert(st, snap, self.mirror, self.out, self._consts, self.spec.table_mode == "shared",
-                   num_seqs=step.num_seqs)
+        shared = self.spec.table_mode == "shared"
+        be.convert(st, snap, self.mirror, self.out, self._consts, shared, num_seqs=step.num_seqs)
+        be.write_positions(st, snap, self.out, self.write_pages, self.write_offsets, self._consts, shared,
+                           num_tokens=int(cu_tokens[-1]))
         step.ready = be.record(st)
         if self.debug_verify_mirror:
             self.verify_mirror()

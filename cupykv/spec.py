@@ -35,6 +35,8 @@ class CacheSpec:
         out of the window once the chunk settles (PER_LAYER tables only).
     max_rewind: the most speculative tokens a single settle may reject.
     table_mode: "per_layer" (out[L, max_batch, 2, B]) or "shared" (out[groups, max_batch, 2, B]).
+    max_step_tokens: the most new tokens one step may schedule (sizes the fixed write-position
+        buffers); None means 8192 prefill tokens plus max_batch * (1 + max_rewind) decode tokens.
     """
 
     windows: Sequence[Optional[int]]
@@ -50,6 +52,7 @@ class CacheSpec:
     swa_scratch_reuse: bool = True
     max_rewind: int = 0
     table_mode: str = "per_layer"
+    max_step_tokens: Optional[int] = None
     windows_tuple: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class CacheSpec:
                 _fail("sink_tokens", self.sink_tokens, f"layer {i} has {s!r}; use an int >= 0")
         if isinstance(self.max_rewind, bool) or not isinstance(self.max_rewind, int) or self.max_rewind < 0:
             _fail("max_rewind", self.max_rewind, "must be an int >= 0")
+        if self.max_step_tokens is not None:
+            _positive_int("max_step_tokens", self.max_step_tokens)
         if self.table_mode not in TABLE_MODES:
             _fail("table_mode", self.table_mode, f"must be one of {TABLE_MODES}")
         if self.table_mode == "shared" and self.swa_scratch_reuse and any(w is not None for w in windows):
@@ -102,6 +107,12 @@ class CacheSpec:
         if len(sinks) != len(self.windows_tuple):
             _fail("sink_tokens", self.sink_tokens, f"needs {len(self.windows_tuple)} entries, one per layer")
         return sinks
+
+    @property
+    def step_token_capacity(self) -> int:
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        return 8192 + self.max_batch * (1 + self.max_rewind)
 
     @property
     def dtype_bytes(self) -> int:

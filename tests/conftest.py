@@ -43,10 +43,18 @@ class Capture:
         self.mgr = mgr
         self.stream = mgr.backend.new_stream("consumer")
         self.items = []   # (step, table at prepare, device buffer)
+        self.spare = []   # buffers allocated while nothing is gated (an allocation's memset would queue)
+
+    def reserve(self, count: int) -> "Capture":
+        """Allocate buffers for `count` steps now, before a gate holds the streams."""
+        be = self.mgr.backend
+        self.spare += [be.device_empty(self.mgr.out.size).reshape(self.mgr.out.shape) for _ in range(count)]
+        be.synchronize()
+        return self
 
     def consume(self, step: cupykv.Step) -> None:
         be = self.mgr.backend
-        buf = be.device_empty(self.mgr.out.size).reshape(self.mgr.out.shape)  # fully overwritten
+        buf = self.spare.pop() if self.spare else be.device_empty(self.mgr.out.size).reshape(self.mgr.out.shape)
         be.wait(self.stream, step.ready)
         be.copy_d2d(buf, self.mgr.out, self.stream)
         step.finish(self.stream)

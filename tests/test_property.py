@@ -15,7 +15,7 @@ import cupykv
 from cupykv import BAD, OutOfSlotsError
 from conftest import Capture
 
-EXAMPLES = int(os.environ.get("CUPYKV_PROPERTY_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("CUPYKV_PROPERTY_EXAMPLES", "500"))
 TPB = 8
 
 

@@ -21,7 +21,7 @@ def make(backend_name, staging, **kw):
 
 def run_gated(mgr, first, then):
     """Prepare step N behind a gate, run `then` (steps N+1...), open the gate, return the mismatching steps."""
-    cap = Capture(mgr)
+    cap = Capture(mgr).reserve(32)
     gate = mgr.backend.gate(mgr.backend.stream)
     step = first()
     cap.consume(step)
@@ -82,7 +82,7 @@ def test_page_table_rewritten(backend_name, staging):
         s = mgr.prepare_batch({"new": 200}, ["b"])
         cap.consume(s)
         mgr.settle(s)
-        for _ in range(40):                            # b's SWA blocks fall out of the window
+        for _ in range(24):                            # b's SWA blocks fall out of the window
             s = mgr.prepare_batch((), ["new", "b"])
             cap.consume(s)
             mgr.settle(s)

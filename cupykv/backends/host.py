@@ -212,3 +212,24 @@ class HostBackend:
                         vals[:c] = np.where(inside, slot * scale + (t % scale + off) % scale, vals[:c])
                     out[layer, :n, r, :] = vals
         stream.enqueue(run)
+
+    def write_positions(self, stream: SimStream, snap: np.ndarray, out: np.ndarray, pages: np.ndarray,
+                        offsets: np.ndarray, consts, shared: bool, num_tokens: Optional[int] = None) -> None:
+        """pages[l, t]: K page index of new token t for layer l (V = K + 1); offsets[t]: its slot in the page.
+        Read from the step's output tables, so scratch tokens land on their scratch pages."""
+        def run():
+            s = unpack_snapshot(snap, consts.num_groups)
+            cu = s["cu_tokens"]
+            # clamped like the CUDA kernel, so a corrupt snapshot (unsafe mode) gives garbage, not a crash
+            seq = np.repeat(np.arange(s["num_seqs"]), np.maximum(np.diff(cu), 0))[:offsets.size]
+            n = len(seq)
+            pos = s["start_pos"][seq] + (np.arange(n) - cu[seq] + cu[0])
+            block = np.clip(pos // consts.tokens_per_block, 0, out.shape[3] - 1)
+            offsets[:n] = pos % consts.tokens_per_block
+            for layer in range(consts.num_layers):
+                if shared:
+                    k = out[consts.layer_group[layer], seq, 0, block]
+                    pages[layer, :n] = np.where(k == BAD, BAD, k + consts.layer_koff[layer])
+                else:
+                    pages[layer, :n] = out[layer, seq, 0, block]
+        stream.enqueue(run)
