@@ -1,0 +1,104 @@
+"""Snapshot staging: packing, the ring's growth and exhaustion, bytes per step, the mirror."""
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv.staging import pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+
+
+def make(backend_name="host", **kw):
+    spec = cupykv.CacheSpec(windows=[64, None], num_kv_heads=1, head_dim=8, tokens_per_block=16,
+                            max_seq_len=8192, max_batch=32, slots_per_group=4096,
+                            max_step_tokens=65536)
+    return cupykv.KVCacheManager(spec, backend=backend_name, **kw)
+
+
+def test_runs_from_cells():
+    cells = np.array([3, 4, 5, 9, 11, 12])
+    start, voff = runs_from_cells(cells)
+    assert start.tolist() == [3, 9, 11] and voff.tolist() == [0, 3, 4, 6]
+    start, voff = runs_from_cells(np.empty(0, np.int64))
+    assert len(start) == 0 and voff.tolist() == [0]
+
+
+def test_pack_unpack_round_trip():
+    rng = np.random.default_rng()
+    P, C, M, n = 3, 2, 4, 5
+    cells = np.unique(rng.integers(0, 1000, 40))
+    args = dict(copy_idx=rng.integers(0, 9, n), begs=rng.integers(0, 9, (P, C)), ends=rng.integers(0, 9, (P, C)),
+                scratch=rng.integers(0, 99, (P, C, M)), cells=cells, values=rng.integers(-1, 99, len(cells)),
+                cu_tokens=np.cumsum([0, 3, 1, 1, 1, 1]), start_pos=rng.integers(0, 99, n))
+    start, _ = runs_from_cells(cells)
+    words = snapshot_words(n, C, P, M, len(start), len(cells))
+    buf = np.zeros(words + 7, np.int32)
+    assert pack_snapshot(buf, 41, **args) == words
+    got = unpack_snapshot(buf, P)
+    for key in ("copy_idx", "begs", "ends", "scratch", "values", "cu_tokens", "start_pos"):
+        assert np.array_equal(got[key], args[key]), key
+    flat = np.concatenate([np.arange(s, s + hi - lo) for s, lo, hi in
+                           zip(got["run_start"], got["run_voff"][:-1], got["run_voff"][1:])])
+    assert np.array_equal(flat, cells)
+    assert got["step"] == 41 and got["num_seqs"] == n and got["num_contexts"] == C
+
+
+def test_ring_grows_then_raises_when_exhausted(backend_name):
+    mgr = make(backend_name, ring_slots=2, max_ring_slots=3, staging_timeout_s=0.2)
+    mgr.add("a", 16)
+    gate = mgr.backend.gate(mgr.backend.stream)       # no snapshot copy can complete
+    steps = []
+    s = mgr.prepare_batch({"a": 16})
+    s.finish()
+    for _ in range(2):                                # slots 2 and 3: the ring grows to its bound
+        s = mgr.prepare_batch((), ["a"])
+        s.finish()
+        steps.append(s)
+    assert len(mgr.ring.slots) == 3 and mgr.ring.in_flight() == 3
+    before = mgr.state()
+    with pytest.raises(cupykv.StagingExhaustedError, match="snapshot slots"):
+        mgr.prepare_batch((), ["a"])
+    assert mgr.state() == before
+    gate.open()
+    mgr.synchronize()
+    s = mgr.prepare_batch((), ["a"])                  # a completed slot is reused, the ring stays at 3
+    s.finish()
+    assert len(mgr.ring.slots) == 3
+
+
+def test_decode_ships_only_what_changed():
+    mgr = make()
+    for r in range(32):
+        mgr.add(r, 2000)
+    s = mgr.prepare_batch({r: 2000 for r in range(32)})
+    s.finish()
+    big = mgr.h2d_bytes_last_step
+    written = int(np.count_nonzero(mgr.table != cupykv.BAD))
+    prefill = s
+    mgr.settle(s)
+    sizes = []
+    for _ in range(40):
+        s = mgr.prepare_batch((), range(32))
+        s.finish()
+        mgr.settle(s)
+        sizes.append(mgr.h2d_bytes_last_step)
+    table_bytes = mgr.table.nbytes
+    # New rows go as runs (a value per written cell, two run words per row and group), not as the table.
+    scratch_words = prefill.scratch_slots.size + 2 * prefill.scratch_begs.size
+    assert big <= 4 * (written + 2 * 2 * 32 + scratch_words + 3 * 32) + 256
+    assert big < table_bytes / 2
+    # Decode: a handful of new or released cells per step plus the batch's rows.
+    assert max(sizes) < 4096 and max(sizes) < table_bytes / 50
+
+
+def test_verify_mirror_debug_option():
+    mgr = make(debug_verify_mirror=True)
+    for r in range(4):
+        mgr.add(r, 300)
+    for _ in range(3):
+        s = mgr.prepare_batch({r: 100 for r in range(4)})
+        s.finish()
+        mgr.settle(s)
+    mgr.free(2)                      # changes not yet shipped are skipped by the check
+    mgr.verify_mirror()
+    mgr.mirror[0, 0, 0] = 12345      # a corrupt mirror is caught
+    with pytest.raises(AssertionError, match="mirror differs"):
+        mgr.verify_mirror()
