@@ -6,7 +6,8 @@ from .errors import (BackendUnavailableError, CapacityExceededError, CupykvError
                      InvalidRequestError, InvalidSpecError, OutOfSlotsError, StagingExhaustedError,
                      StepOrderError, UnknownRequestError)
 from .layout import BAD, Layout, LayerGroup
-from .manager import KVCacheManager, Step
+from .manager import KVCacheManager, Request
+from .step import Step
 from .spec import CacheSpec
 from .backends import cuda_available
 

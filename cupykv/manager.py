@@ -2,14 +2,17 @@
 
 The host page table is the only source of truth. Each prepare_batch snapshots what the device needs
 (the table cells changed since the last step, the batch's rows, the scratch metadata) into a pinned ring
-slot that nobody writes until its copy has completed, then enqueues one copy, one delta-apply kernel
-and one conversion kernel on the manager's stream. The scheduler may change the host state right after;
-the step's tables still describe the state at its prepare.
+slot that nobody writes until its copy has completed, then enqueues one copy, one delta-apply kernel,
+one conversion kernel and one write-position kernel on the manager's stream. The scheduler may change
+the host state right after; the step's tables still describe the state at its prepare.
+
+Per-request numbers live in arrays indexed by table row, so that a decode step of hundreds of requests
+is a handful of numpy operations rather than a Python loop.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -18,102 +21,95 @@ from .allocator import SlotPool
 from .backends import make_backend
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError, UnknownRequestError)
-from .layout import BAD, Layout, cdiv
+from .layout import BAD, Layout
 from .spec import CacheSpec
 from .staging import HEADER_WORDS, SnapshotRing, pack_snapshot, snapshot_words
+from .step import Step
 
 RequestId = Hashable
 STAGING_MODES = ("snapshot", "unsafe")
 
 
-@dataclass
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """(row, block) pairs of the block ranges [lo, hi) of each row, rows in order."""
+    count = np.maximum(hi - lo, 0)
+    if count.max(initial=0) <= 1:                     # the decode case: at most one block per row
+        one = count > 0
+        return rows[one], lo[one]
+    first = np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(rows, count), np.repeat(lo, count) + (np.arange(int(count.sum())) - first)
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    a.sort()
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+
+
 class Request:
-    """Host-side state of one request. The table row itself lists the request's slots."""
+    """A request's identity and its table row; its numbers live in the manager's per-row arrays."""
 
-    rid: RequestId
-    row: int
-    prompt_len: int
-    history: int = 0            # tokens whose KV is final (settled)
-    capacity: int = 0           # tokens with KV space reserved (history + tokens in flight)
-    stale_done: List[int] = field(default_factory=list)   # per group: blocks below this were released
-    pending: List["Step"] = field(default_factory=list)   # prepared, not yet settled, in order
-    scratch: Dict[int, List[np.ndarray]] = field(default_factory=dict)  # step id -> scratch slots per group
+    __slots__ = ("rid", "row", "incarnation", "scratch", "_mgr")
+
+    def __init__(self, mgr: "KVCacheManager", rid: RequestId, row: int, incarnation: int):
+        self._mgr = mgr
+        self.rid = rid
+        self.row = row
+        self.incarnation = incarnation
+        self.scratch: Dict[int, List[np.ndarray]] = {}   # step id -> scratch slots per group (unsettled)
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self._mgr._prompt[self.row])
+
+    @property
+    def history(self) -> int:
+        """Tokens whose KV is final (settled)."""
+        return int(self._mgr._hist[self.row])
+
+    @property
+    def capacity(self) -> int:
+        """Tokens with KV space reserved: history plus the tokens of unsettled steps."""
+        return int(self._mgr._cap[self.row])
+
+    @property
+    def pending(self) -> List[Step]:
+        """Prepared steps of this request that are not settled yet, oldest first."""
+        return [s for s in self._mgr._unsettled
+                if np.any((s.rows == self.row) & (s.incarnations == self.incarnation))]
 
 
-@dataclass
 class _Consts:
-    """Per-manager constants the kernels need (host copies and device copies)."""
+    """Per-manager constants the kernels need (host copies, and device copies for the CUDA backend)."""
 
-    num_groups: int
-    num_layers: int
-    rows: int
-    max_batch: int
-    max_blocks: int
-    layer_group: np.ndarray
-    layer_koff: np.ndarray
-    group_scale: np.ndarray
-    tokens_per_block: int
-    d_layer_group: object = None
-    d_layer_koff: object = None
-    d_group_scale: object = None
-
-
-class Step:
-    """One prepared step: its batch, its tables on the device, and the events that order it.
-
-    Consumers wait on `ready` before reading `tables`, and call finish(stream) after their last read.
-    """
-
-    def __init__(self, manager: "KVCacheManager", step_id: int, entries: List[Request], tokens: np.ndarray,
-                 starts: np.ndarray, num_contexts: int):
-        self.manager = manager
-        self.id = step_id
-        self.entries = entries                      # batch order, contexts first
-        self.request_ids = [r.rid for r in entries]
-        self.rows = np.array([r.row for r in entries], np.int32)   # = copy_idx
-        self.num_tokens = tokens                    # tokens scheduled per entry
-        self.start_positions = starts               # sequence position of each entry's first new token
-        self.num_contexts = num_contexts
-        self.ready = None                           # event: tables are written
-        self.finished = None                        # event: the consumer's last read
-        self.settled = False
-        # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
-        self.scratch_begs: Optional[np.ndarray] = None     # [P, num_contexts]
-        self.scratch_ends: Optional[np.ndarray] = None     # [P, num_contexts]
-        self.scratch_slots: Optional[np.ndarray] = None    # [P, num_contexts, M]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.entries)
-
-    @property
-    def tables(self):
-        """The output buffer (fixed address): [L, max_batch, 2, B] PER_LAYER or [P, max_batch, 2, B]
-        SHARED. Rows < num_seqs belong to this step until the next step is prepared."""
-        return self.manager.out
-
-    def finish(self, stream=None) -> None:
-        """Record that the consumer (on `stream`, default: the manager stream) is done reading."""
-        if self.finished is not None:
-            raise StepOrderError(f"step {self.id} was already finished")
-        be = self.manager.backend
-        self.finished = be.record(stream if stream is not None else be.stream)
-
-    def is_complete(self) -> bool:
-        return self.finished is not None and self.finished.done()
-
-    def __repr__(self) -> str:
-        return f"Step(id={self.id}, num_seqs={self.num_seqs}, num_contexts={self.num_contexts})"
+    def __init__(self, layout: Layout, max_batch: int, backend):
+        self.num_groups, self.num_layers = layout.num_groups, layout.num_layers
+        self.rows = self.max_batch = max_batch
+        self.max_blocks, self.tokens_per_block = layout.max_blocks, layout.tpb
+        self.layer_group, self.layer_koff, self.group_scale = layout.layer_group, layout.layer_koff, layout.group_scale
+        self.d_layer_group = backend.upload(layout.layer_group)
+        self.d_layer_koff = backend.upload(layout.layer_koff)
+        self.d_group_scale = backend.upload(layout.group_scale)
 
 
 class KVCacheManager:
     """Paged KV cache bookkeeping and per-step page tables for models with mixed attention windows.
 
     backend: "auto" (GPU when usable, else the host backend), "cuda" or "host".
-    staging: "snapshot" (the default, race-free) or "unsafe" (copies straight from live host buffers
-        and from pinned arrays dropped after enqueue; it exists only to prove that the race tests
+    staging: "snapshot" (the default, race-free) or "unsafe" (copies straight from the live host table
+        and from pinned pool arrays dropped after enqueue; it exists only to prove that the race tests
         catch the race; never use it).
+    ring_slots / max_ring_slots / staging_timeout_s: the pinned snapshot ring's initial size, bound, and
+        how long prepare waits for a slot once the bound is reached.
     max_steps_in_flight: prepared steps whose finish event has not completed; more is an error.
+    debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
     """
 
     def __init__(self, spec: CacheSpec, backend: Union[str, object] = "auto", *, staging: str = "snapshot",
@@ -122,53 +118,58 @@ class KVCacheManager:
         if staging not in STAGING_MODES:
             raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
         self.spec = spec
-        self.layout = Layout(spec)
-        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.layout = lay = Layout(spec)
+        self.backend = be = make_backend(backend) if isinstance(backend, str) else backend
         self.staging = staging
         self.max_steps_in_flight = max_steps_in_flight
         self.debug_verify_mirror = debug_verify_mirror
-        lay, be = self.layout, self.backend
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         self.pools = [SlotPool(n) for n in lay.slots_per_group]
-        # The host table lives in pinned memory so that the unsafe mode can DMA from it directly; the
-        # snapshot mode never does.
+        # Pinned so that the unsafe mode can DMA from it directly; the snapshot mode never does.
         self.table = be.pinned_empty(P * rows * B).reshape(P, rows, B)
         self.table.fill(BAD)
-        self._dirty: List[np.ndarray] = []
+        self._dirty: List[np.ndarray] = []            # flat table indices changed since the last step
+        # Per-row request state. A row's incarnation counts its tenants, so a step can tell whether the
+        # request it scheduled in a row is still the one there.
+        self._hist = np.zeros(rows, np.int64)
+        self._cap = np.zeros(rows, np.int64)
+        self._prompt = np.zeros(rows, np.int64)
+        self._incarnation = np.zeros(rows, np.int64)
+        self._last_scheduled = np.full(rows, -1, np.int64)      # id of the last step that scheduled the row
+        self._stale_done = np.zeros((P, rows), np.int64)        # blocks below this were released (SWA)
+        self._sink_blocks = np.array([lay.sink_blocks(g) for g in lay.groups], np.int64)
         self._requests: Dict[RequestId, Request] = {}
+        self._row_of: Dict[RequestId, int] = {}
         self._free_rows = list(range(rows))
-        heapq.heapify(self._free_rows)
-        self._consts = _Consts(P, lay.num_layers, rows, spec.max_batch, B, lay.layer_group, lay.layer_koff,
-                               lay.group_scale, lay.tpb)
-        self._consts.d_layer_group = be.upload(lay.layer_group)
-        self._consts.d_layer_koff = be.upload(lay.layer_koff)
-        self._consts.d_group_scale = be.upload(lay.group_scale)
+        self._consts = _Consts(lay, spec.max_batch, be)
         self.mirror = be.device_full((P, rows, B), BAD, np.int32)
         out_planes = P if spec.table_mode == "shared" else lay.num_layers
         self.out = be.device_full((out_planes, spec.max_batch, 2, B), BAD, np.int32)
-        # Where each new token's K/V goes: page index of its K page per layer (V is K + 1) and the
-        # position inside the page, in batch order.
+        # Where each new token's K/V goes: K page index per layer (V is K + 1) and position in the page.
         self.write_pages = be.device_full((lay.num_layers, spec.step_token_capacity), BAD, np.int32)
         self.write_offsets = be.device_full((spec.step_token_capacity,), 0, np.int32)
-        base_words = snapshot_words(spec.max_batch, 0, P, 0, 64, 1024)
-        self.ring = SnapshotRing(be, base_words, ring_slots, max_ring_slots, staging_timeout_s)
+        self.ring = SnapshotRing(be, snapshot_words(rows, 0, P, 0, 64, 1024), ring_slots, max_ring_slots,
+                                 staging_timeout_s)
+        self._unsafe_dev = None
         self._next_step_id = 0
-        self._last_prepared = -1
         self._finished_through = -1
         self._in_flight: List[Step] = []       # prepared, finish event not yet complete, in id order
         self._unsettled: List[Step] = []
         self._last_step: Optional[Step] = None
         self._scratch_held = [0] * P
         self.h2d_bytes_last_step = 0
-        self._unsafe_dev = None
         be.synchronize()                       # buffers initialised before any step uses them
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, rid: RequestId, prompt_len: int) -> None:
         """Register a request with a prompt of prompt_len tokens; it takes the lowest free table row."""
-        if rid in self._requests:
+        try:
+            known = rid in self._requests
+        except TypeError:
+            raise InvalidRequestError(f"request id {rid!r} is not hashable") from None
+        if known:
             raise DuplicateRequestError(f"request {rid!r} is already added")
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len <= 0:
+        if not _is_count(prompt_len) or prompt_len <= 0:
             raise InvalidRequestError(f"request {rid!r}: prompt_len={prompt_len!r} must be a positive int")
         if prompt_len > self.spec.max_seq_len:
             raise CapacityExceededError(
@@ -176,24 +177,25 @@ class KVCacheManager:
         if not self._free_rows:
             raise CapacityExceededError(f"request {rid!r}: all max_batch={self.spec.max_batch} rows are in use")
         row = heapq.heappop(self._free_rows)
-        self._requests[rid] = Request(rid, row, int(prompt_len),
-                                      stale_done=[self.layout.sink_blocks(g) for g in self.layout.groups])
+        self._hist[row] = self._cap[row] = 0
+        self._prompt[row] = prompt_len
+        self._last_scheduled[row] = -1
+        self._stale_done[:, row] = self._sink_blocks
+        self._requests[rid] = Request(self, rid, row, int(self._incarnation[row]))
+        self._row_of[rid] = row
 
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self._request(rid)
         tag = self._last_prepared
-        for g in self.layout.groups:
-            row = self.table[g.index, req.row]
-            held = np.flatnonzero(row != BAD)
-            self.pools[g.index].release(row[held], tag)
-            self._set_cells(g.index, req.row, held, BAD)
+        for p, pool in enumerate(self.pools):
+            held = np.flatnonzero(self.table[p, req.row] != BAD)
+            self._release_cells(p, np.full(len(held), req.row), held, tag)
         for slots in req.scratch.values():
-            for p, s in enumerate(slots):
-                self.pools[p].release(s, tag)
-                self._scratch_held[p] -= len(s)
+            self._release_scratch(slots, tag)
         req.scratch.clear()
-        del self._requests[rid]
+        del self._requests[rid], self._row_of[rid]
+        self._incarnation[req.row] += 1      # steps still holding the row now see it as someone else's
         heapq.heappush(self._free_rows, req.row)
 
     def __contains__(self, rid: RequestId) -> bool:
@@ -212,6 +214,10 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {rid!r}") from None
 
+    @property
+    def _last_prepared(self) -> int:
+        return self._next_step_id - 1
+
     # -- steps -----------------------------------------------------------------------------------
     def prepare_batch(self, contexts: Union[Mapping[RequestId, int], Sequence[Tuple[RequestId, int]]] = (),
                       generation: Iterable[RequestId] = (), num_gen_tokens: int = 1) -> Step:
@@ -223,165 +229,167 @@ class KVCacheManager:
         snapshotted, and the copy and kernels are enqueued on the manager stream. Returns the Step.
         """
         ctx_items = list(contexts.items()) if isinstance(contexts, Mapping) else [tuple(c) for c in contexts]
-        gen_ids = list(generation)
-        plan = self._plan(ctx_items, gen_ids, num_gen_tokens)
-        return self._commit(plan)
+        gen_ids = generation.tolist() if isinstance(generation, np.ndarray) else list(generation)
+        return self._commit(self._plan(ctx_items, gen_ids, num_gen_tokens))
 
-    def _plan(self, ctx_items, gen_ids, num_gen_tokens) -> dict:
-        """Validate a step and work out what it needs; touches no state."""
-        spec, lay = self.spec, self.layout
+    def _plan(self, ctx_items, gen_ids, k) -> dict:
+        """Validate a step and work out what it needs; changes no state."""
+        spec, lay, tpb = self.spec, self.layout, self.layout.tpb
         if self._last_step is not None and self._last_step.finished is None:
             raise StepOrderError(f"step {self._last_step.id} is not finished: call step.finish(stream) "
                                  "after its consumer's last read, before preparing the next step "
                                  "(the next step overwrites its tables)")
-        if isinstance(num_gen_tokens, bool) or not isinstance(num_gen_tokens, (int, np.integer)) \
-                or num_gen_tokens <= 0:
-            raise InvalidRequestError(f"num_gen_tokens={num_gen_tokens!r} must be a positive int")
-        seen = set()
-        entries, tokens, scratch = [], [], []
-        for rid, n in ctx_items:
-            req = self._request(rid)
-            if rid in seen:
+        if not _is_count(k) or k <= 0:
+            raise InvalidRequestError(f"num_gen_tokens={k!r} must be a positive int")
+        # Contexts: few per step, checked one by one.
+        ctx_rows, ctx_tokens = [], []
+        for item in ctx_items:
+            if len(item) != 2:
+                raise InvalidRequestError(f"context entry {item!r} must be (request id, tokens)")
+            rid, n = item
+            row = self._request(rid).row
+            if row in ctx_rows:
                 raise DuplicateRequestError(f"request {rid!r} appears twice in one step")
-            seen.add(rid)
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+            if not _is_count(n) or n <= 0:
                 raise InvalidRequestError(f"request {rid!r}: context chunk of {n!r} tokens; must be a positive int")
-            if req.capacity + n > req.prompt_len:
+            if self._cap[row] + n > self._prompt[row]:
                 raise InvalidRequestError(f"request {rid!r}: chunk of {n} tokens goes past its prompt "
-                                          f"({req.capacity} of {req.prompt_len} already scheduled)")
-            entries.append(req)
-            tokens.append(int(n))
-        for rid in gen_ids:
-            req = self._request(rid)
-            if rid in seen:
-                raise DuplicateRequestError(f"request {rid!r} appears twice in one step")
-            seen.add(rid)
-            if req.capacity < req.prompt_len:
-                raise InvalidRequestError(f"request {rid!r}: cannot decode before its whole prompt is scheduled "
-                                          f"({req.capacity} of {req.prompt_len} tokens)")
-            if req.capacity + num_gen_tokens > spec.max_seq_len:
-                raise CapacityExceededError(
-                    f"request {rid!r}: {req.capacity} + {num_gen_tokens} tokens exceeds max_seq_len="
-                    f"{spec.max_seq_len}")
-            entries.append(req)
-            tokens.append(int(num_gen_tokens))
-        num_contexts = len(ctx_items)
-        if sum(tokens) > spec.step_token_capacity:
-            raise CapacityExceededError(f"the step schedules {sum(tokens)} tokens; max_step_tokens="
+                                          f"({self._cap[row]} of {self._prompt[row]} already scheduled)")
+            ctx_rows.append(row)
+            ctx_tokens.append(int(n))
+        # Generation: possibly hundreds, checked with array operations.
+        try:
+            gen_rows = np.array(itemgetter(*gen_ids)(self._row_of) if gen_ids else (), np.int64).reshape(-1)
+        except (KeyError, TypeError):
+            bad = next(r for r in gen_ids if not self._known(r))
+            raise UnknownRequestError(f"unknown request id {bad!r}") from None
+        if len(gen_rows):
+            seen = np.bincount(gen_rows, minlength=spec.max_batch)
+            seen[ctx_rows] += 1
+            if seen.max() > 1:
+                dup = next(r for r in gen_ids if seen[self._row_of[r]] > 1)
+                raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
+            cap = self._cap[gen_rows]
+            unready = np.flatnonzero(cap < self._prompt[gen_rows])
+            if len(unready):
+                i = unready[0]
+                raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt is "
+                                          f"scheduled ({cap[i]} of {self._prompt[gen_rows[i]]} tokens)")
+            over = np.flatnonzero(cap + k > spec.max_seq_len)
+            if len(over):
+                i = over[0]
+                raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
+                                            f"max_seq_len={spec.max_seq_len}")
+            gen_lo, gen_hi = _cdiv(cap, tpb), _cdiv(cap + k, tpb)
+        else:
+            gen_lo = gen_hi = np.zeros(0, np.int64)
+        total_tokens = sum(ctx_tokens) + k * len(gen_rows)
+        if total_tokens > spec.step_token_capacity:
+            raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
-        # Blocks that need a slot of their own, and scratch, per group.
-        need = [0] * lay.num_groups
-        new_blocks = []          # per entry, per group: (lo, hi, scratch_lo, scratch_hi)
-        for k, (req, n) in enumerate(zip(entries, tokens)):
-            old, new = req.capacity, req.capacity + n
+        # Slots per group: own blocks of every new block, scratch slots for contexts' scratch ranges.
+        gen_blocks = int((gen_hi - gen_lo).sum())
+        need = [gen_blocks] * lay.num_groups
+        ctx_blocks = []          # per context, per group: (lo, hi, scratch_lo, scratch_hi)
+        for row, n in zip(ctx_rows, ctx_tokens):
+            old = int(self._cap[row])
             per_group = []
             for g in lay.groups:
-                lo, hi = cdiv(old, lay.tpb), cdiv(new, lay.tpb)
-                s_lo, s_hi = lay.scratch_range(g, old, new) if k < num_contexts else (0, 0)
-                n_scratch = s_hi - s_lo
-                need[g.index] += (hi - lo) - n_scratch + lay.scratch_slots_needed(g, n_scratch)
+                lo, hi = _cdiv(old, tpb), _cdiv(old + n, tpb)
+                s_lo, s_hi = lay.scratch_range(g, old, old + n)
+                need[g.index] += (hi - lo) - (s_hi - s_lo) + lay.scratch_slots_needed(g, s_hi - s_lo)
                 per_group.append((lo, hi, s_lo, s_hi))
-            new_blocks.append(per_group)
+            ctx_blocks.append(per_group)
         for p, pool in enumerate(self.pools):
             if need[p] > self._available(p):
                 self._wait_for_slots(p, need[p])
                 if need[p] > self._available(p):
                     raise OutOfSlotsError(
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                        f"{self._available(p)} free, "
-                        f"{pool.num_quarantined} quarantined by unfinished steps")
+                        f"{self._available(p)} free, {pool.num_quarantined} quarantined by unfinished steps")
         if len(self._in_flight) - self._completed_count() >= self.max_steps_in_flight:
             raise StepOrderError(f"{len(self._in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
-        new_cells = sum(hi - lo for per in new_blocks for (lo, hi, _, _) in per)
-        pending_cells = sum(len(d) for d in self._dirty)
         M = max([lay.scratch_slots_needed(g, s_hi - s_lo)
-                 for per in new_blocks[:num_contexts] for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
-        words = snapshot_words(len(entries), num_contexts, lay.num_groups, M,
-                               new_cells + pending_cells, new_cells + pending_cells)
+                 for per in ctx_blocks for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
+        cells = sum(len(d) for d in self._dirty) + lay.num_groups * gen_blocks + sum(
+            hi - lo for per in ctx_blocks for (lo, hi, _, _) in per)
+        words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
         slot = self.ring.acquire(words) if self.staging == "snapshot" else None
-        return dict(entries=entries, tokens=tokens, num_contexts=num_contexts, new_blocks=new_blocks,
-                    scratch_width=M, ring_slot=slot)
+        return dict(ctx_ids=[item[0] for item in ctx_items], ctx_rows=ctx_rows, ctx_tokens=ctx_tokens,
+                    ctx_blocks=ctx_blocks, gen_ids=gen_ids, gen_rows=gen_rows, gen_lo=gen_lo, gen_hi=gen_hi,
+                    k=k, scratch_width=M, ring_slot=slot)
+
+    def _known(self, rid) -> bool:
+        try:
+            return rid in self._row_of
+        except TypeError:
+            return False
 
     def _commit(self, plan: dict) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail after _plan."""
         self._poll()
-        lay, be = self.layout, self.backend
-        entries, tokens, C = plan["entries"], plan["tokens"], plan["num_contexts"]
-        P, M = lay.num_groups, plan["scratch_width"]
+        lay = self.layout
+        P, M, C = lay.num_groups, plan["scratch_width"], len(plan["ctx_rows"])
         step_id = self._next_step_id
         begs = np.zeros((P, C), np.int32)
         ends = np.zeros((P, C), np.int32)
         scratch = np.zeros((P, C, M), np.int32)
-        starts = np.array([r.capacity for r in entries], np.int64)
-        for k, (req, n, per_group) in enumerate(zip(entries, tokens, plan["new_blocks"])):
+        for c, (rid, row, per_group) in enumerate(zip(plan["ctx_ids"], plan["ctx_rows"], plan["ctx_blocks"])):
             held = []
             for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
                 pool = self.pools[g.index]
                 own = np.array([b for b in range(lo, hi) if not s_lo <= b < s_hi], np.int64)
-                if len(own):
-                    self._set_cells(g.index, req.row, own, pool.allocate(len(own)))
-                if s_hi > s_lo:
-                    s = pool.allocate(lay.scratch_slots_needed(g, s_hi - s_lo))
-                    begs[g.index, k], ends[g.index, k] = s_lo, s_hi
-                    scratch[g.index, k, :len(s)] = s
+                self._set_cells(g.index, np.full(len(own), row), own, pool.allocate(len(own)))
+                s = pool.allocate(lay.scratch_slots_needed(g, s_hi - s_lo))
+                if len(s):
+                    begs[g.index, c], ends[g.index, c] = s_lo, s_hi
+                    scratch[g.index, c, :len(s)] = s
                     self._scratch_held[g.index] += len(s)
-                    held.append(s)
-                else:
-                    held.append(np.empty(0, np.int32))
+                held.append(s)
             if any(len(h) for h in held):
-                req.scratch[step_id] = held
-            req.capacity += n
-        step = Step(self, step_id, entries, np.array(tokens, np.int64), starts, C)
-        for req in entries:
-            req.pending.append(step)
-        cu_tokens = np.concatenate(([0], np.cumsum(tokens))).astype(np.int32)
-        self._enqueue(step, plan["ring_slot"], begs, ends, scratch, cu_tokens)
+                self._requests[rid].scratch[step_id] = held
+        gen_rows, lo, hi = plan["gen_rows"], plan["gen_lo"], plan["gen_hi"]
+        rows, blocks = _expand_ranges(gen_rows, lo, hi)
+        if len(rows):
+            for p, pool in enumerate(self.pools):
+                self._set_cells(p, rows, blocks, pool.allocate(len(rows)))
+        ctx_rows = np.array(plan["ctx_rows"], np.int64)
+        rows = np.concatenate((ctx_rows, gen_rows))
+        tokens = np.concatenate((np.array(plan["ctx_tokens"], np.int64), np.full(len(gen_rows), plan["k"])))
+        starts = self._cap[rows]
+        self._cap[rows] = starts + tokens
+        self._last_scheduled[rows] = step_id
+        step = Step(self, step_id, plan["ctx_ids"] + plan["gen_ids"], rows.astype(np.int32),
+                    self._incarnation[rows], tokens, starts, C)
+        step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
+        self._enqueue(step, plan["ring_slot"])
         self._next_step_id += 1
-        self._last_prepared = step_id
         self._last_step = step
         self._in_flight.append(step)
         self._unsettled.append(step)
         return step
 
-    def _enqueue(self, step: Step, slot, begs, ends, scratch, cu_tokens) -> None:
+    def _enqueue(self, step: Step, slot) -> None:
         be, st = self.backend, self.backend.stream
-        cells = np.unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
+        cells = _sorted_unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
         self._dirty.clear()
-        step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
-        start_pos = step.start_positions.astype(np.int32)
+        cu_tokens = np.concatenate(([0], np.cumsum(step.num_tokens)))
         prev = self._in_flight[-1] if self._in_flight else None
         if prev is not None:
             be.wait(st, prev.finished)     # the previous consumer's reads come before our writes
         if self.staging == "snapshot":
             values = self.table.reshape(-1)[cells]
-            words = pack_snapshot(slot.host, step.id, step.rows, begs, ends, scratch, cells, values,
-                                  cu_tokens, start_pos)
+            words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
+                                  step.scratch_slots, cells, values, cu_tokens, step.start_positions)
             be.copy_h2d(slot.dev, slot.host, words, st)
             slot.copied = be.record(st)
-            snap = slot.dev
-            num_runs = int(slot.host[1])
+            snap, num_runs = slot.dev, int(slot.host[1])
             self.h2d_bytes_last_step = words * 4
         else:
-            # UNSAFE: a pinned array from the pool, dropped right after enqueue, and a copy of the live
-            # table. Both are read when the copy runs, not now.
-            # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any
-            # other pinned allocation of that size class) gets the block the previous one dropped.
-            words = snapshot_words(self.spec.max_batch, self.spec.max_batch, self.layout.num_groups,
-                                   max(16, scratch.shape[2]), 0, 0)
-            tmp = be.pinned_temp(words)
-            empty = np.empty(0, np.int64)
-            words = pack_snapshot(tmp, step.id, step.rows, begs, ends, scratch, empty, empty, cu_tokens, start_pos)
-            if self._unsafe_dev is None or len(self._unsafe_dev) < words:
-                self._unsafe_dev = be.device_empty(max(words, 4096))
-            snap = self._unsafe_dev
-            be.copy_h2d(snap, tmp, words, st)
-            be.copy_h2d(self.mirror, self.table, self.table.size, st)
-            num_runs = 0
-            self.h2d_bytes_last_step = (words + self.table.size) * 4
-            del tmp
-        be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
+            snap, num_runs = self._enqueue_unsafe(step, cu_tokens)
         shared = self.spec.table_mode == "shared"
+        be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
         be.convert(st, snap, self.mirror, self.out, self._consts, shared, num_seqs=step.num_seqs)
         be.write_positions(st, snap, self.out, self.write_pages, self.write_offsets, self._consts, shared,
                            num_tokens=int(cu_tokens[-1]))
@@ -389,90 +397,126 @@ class KVCacheManager:
         if self.debug_verify_mirror:
             self.verify_mirror()
 
+    def _enqueue_unsafe(self, step: Step, cu_tokens):
+        """UNSAFE, for the race tests only: metadata from a pinned pool array dropped right after enqueue,
+        and the table copied from the live host table. Both are read when the copies run, not now."""
+        be, st, P = self.backend, self.backend.stream, self.layout.num_groups
+        # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
+        # pinned allocation of that size class) gets the block the previous one dropped.
+        words = snapshot_words(self.spec.max_batch, self.spec.max_batch, P, max(16, step.scratch_slots.shape[2]), 0, 0)
+        tmp = be.pinned_temp(words)
+        empty = np.empty(0, np.int64)
+        words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
+                              empty, empty, cu_tokens, step.start_positions)
+        if self._unsafe_dev is None or len(self._unsafe_dev) < words:
+            self._unsafe_dev = be.device_empty(max(words, 4096))
+        be.copy_h2d(self._unsafe_dev, tmp, words, st)
+        be.copy_h2d(self.mirror, self.table, self.table.size, st)
+        self.h2d_bytes_last_step = (words + self.table.size) * 4
+        return self._unsafe_dev, 0
+
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None) -> None:
         """The step's tokens are final: history advances by the accepted tokens.
 
         accepted: None (all scheduled tokens), a mapping request id -> accepted tokens, or a sequence in
         batch order. Context chunks are always accepted whole. Rejected speculative tokens are rewound
-        (at most max_rewind per request). SWA blocks that fell out of the window are released, scratch
-        slots of the step's contexts too; released slots stay quarantined until the steps that may read
-        them have finished.
+        (at most max_rewind per request, and only from the request's latest step). SWA blocks that fell
+        out of the window are released, scratch slots of the step's contexts too; released slots stay
+        quarantined until the steps that may read them have finished. Requests freed since the step was
+        prepared are skipped.
         """
-        if step.manager is not self:
-            raise StepOrderError("this step belongs to another manager")
+        if getattr(step, "manager", None) is not self:
+            raise StepOrderError("this step belongs to another manager (or is not a Step)")
         if step.settled:
             raise StepOrderError(f"step {step.id} is already settled")
-        if not self._unsettled or self._unsettled[0] is not step:
+        if self._unsettled[0] is not step:
             raise StepOrderError(f"settle steps in the order they were prepared: step "
-                                 f"{self._unsettled[0].id if self._unsettled else None} comes before {step.id}")
+                                 f"{self._unsettled[0].id} comes before {step.id}")
         acc = self._accepted(step, accepted)
-        live = [(k, req) for k, req in enumerate(step.entries) if self._requests.get(req.rid) is req]
-        for k, req in live:
-            rejected = int(step.num_tokens[k]) - acc[k]
-            if rejected:
-                if rejected > self.spec.max_rewind:
-                    raise CapacityExceededError(f"request {req.rid!r}: rejecting {rejected} tokens exceeds "
-                                                f"max_rewind={self.spec.max_rewind}")
-                if req.pending[-1] is not step:
-                    raise StepOrderError(f"request {req.rid!r}: cannot reject tokens of step {step.id} while a "
-                                         f"later step {req.pending[-1].id} already scheduled it")
-        tag = self._last_prepared
-        for k, req in live:
-            req.pending.remove(step)
-            req.history += acc[k]
-            rejected = int(step.num_tokens[k]) - acc[k]
-            if rejected:
-                old = req.capacity
-                req.capacity -= rejected
-                self._release_blocks(req, cdiv(req.capacity, self.layout.tpb), cdiv(old, self.layout.tpb), tag)
-            for p, s in enumerate(req.scratch.pop(step.id, ())):
-                self.pools[p].release(s, tag)
-                self._scratch_held[p] -= len(s)
-            for g in self.layout.groups:
-                lo, hi = self.layout.stale_range(g, req.history)
-                if hi > req.stale_done[g.index]:
-                    self._release_blocks(req, req.stale_done[g.index], hi, tag, only=g.index)
-                    req.stale_done[g.index] = hi
+        rows = step.rows.astype(np.int64)
+        live = self._incarnation[rows] == step.incarnations
+        rejected = np.where(live, step.num_tokens - acc, 0)
+        for i in np.flatnonzero(rejected):
+            rid = step.request_ids[i]
+            if rejected[i] > self.spec.max_rewind:
+                raise CapacityExceededError(f"request {rid!r}: rejecting {rejected[i]} tokens exceeds "
+                                            f"max_rewind={self.spec.max_rewind}")
+            if self._last_scheduled[rows[i]] != step.id:
+                raise StepOrderError(f"request {rid!r}: cannot reject tokens of step {step.id}: a later step "
+                                     f"{self._last_scheduled[rows[i]]} already scheduled it")
+        tag, tpb = self._last_prepared, self.layout.tpb
+        self._hist[rows[live]] += acc[live]
+        for i in np.flatnonzero(rejected):
+            old = int(self._cap[rows[i]])
+            self._cap[rows[i]] = old - rejected[i]
+            for p in range(self.layout.num_groups):
+                blocks = np.arange(_cdiv(old - rejected[i], tpb), _cdiv(old, tpb))
+                self._release_cells(p, np.full(len(blocks), rows[i]), blocks, tag)
+        for i in np.flatnonzero(live[:step.num_contexts]):
+            self._release_scratch(self._requests[step.request_ids[i]].scratch.pop(step.id, ()), tag)
+        live_rows = rows[live]
+        for g in self.layout.groups:
+            if g.window is None:
+                continue
+            hi = np.maximum(self._sink_blocks[g.index], (self._hist[live_rows] + 1 - g.window) // tpb)
+            done = self._stale_done[g.index, live_rows]
+            r, b = _expand_ranges(live_rows, done, hi)
+            if len(r):
+                self._release_cells(g.index, r, b, tag)
+                self._stale_done[g.index, live_rows] = np.maximum(hi, done)
         step.settled = True
         self._unsettled.pop(0)
 
-    def _accepted(self, step: Step, accepted) -> List[int]:
-        n = [int(t) for t in step.num_tokens]
+    def _accepted(self, step: Step, accepted) -> np.ndarray:
+        n = step.num_tokens
         if accepted is None:
             return n
         if isinstance(accepted, Mapping):
-            index = {rid: k for k, rid in enumerate(step.request_ids)}
-            out = list(n)
+            index = {rid: i for i, rid in enumerate(step.request_ids)}
+            acc = n.copy()
             for rid, a in accepted.items():
                 if rid not in index:
                     raise UnknownRequestError(f"request {rid!r} is not in step {step.id}")
-                out[index[rid]] = a
+                if not _is_count(a):
+                    raise InvalidRequestError(f"request {rid!r}: accepted={a!r} must be an int")
+                acc[index[rid]] = a
         else:
-            out = list(accepted)
-            if len(out) != len(n):
-                raise InvalidRequestError(f"accepted has {len(out)} entries; step {step.id} has {len(n)}")
-        for k, a in enumerate(out):
-            rid = step.request_ids[k]
-            if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not 0 <= a <= n[k]:
-                raise InvalidRequestError(f"request {rid!r}: accepted={a!r} must be an int in [0, {n[k]}]")
-            if k < step.num_contexts and a != n[k]:
-                raise InvalidRequestError(f"request {rid!r}: a context chunk is accepted whole ({n[k]} tokens)")
-        return [int(a) for a in out]
+            acc = np.asarray(list(accepted))
+            if acc.shape != n.shape or (len(acc) and acc.dtype.kind not in "iu"):
+                raise InvalidRequestError(f"accepted has {len(acc)} entries of dtype {acc.dtype}; step {step.id} "
+                                          f"needs {len(n)} ints, one per entry")
+            acc = acc.astype(np.int64)
+        bad = np.flatnonzero((acc < 0) | (acc > n))
+        if len(bad):
+            i = bad[0]
+            raise InvalidRequestError(f"request {step.request_ids[i]!r}: accepted={acc[i]} must be in "
+                                      f"[0, {n[i]}]")
+        partial = np.flatnonzero(acc[:step.num_contexts] != n[:step.num_contexts])
+        if len(partial):
+            i = partial[0]
+            raise InvalidRequestError(f"request {step.request_ids[i]!r}: a context chunk is accepted whole "
+                                      f"({n[i]} tokens)")
+        return acc
 
-    def _release_blocks(self, req: Request, lo: int, hi: int, tag: int, only: Optional[int] = None) -> None:
-        for g in self.layout.groups:
-            if only is not None and g.index != only:
-                continue
-            cells = self.table[g.index, req.row, lo:hi]
-            held = np.flatnonzero(cells != BAD)
-            if len(held):
-                self.pools[g.index].release(cells[held], tag)
-                self._set_cells(g.index, req.row, held + lo, BAD)
+    # -- slots and cells -------------------------------------------------------------------------
+    def _release_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, tag: int) -> None:
+        """Quarantine the slots held at table[p, rows, blocks] and clear those cells."""
+        vals = self.table[p, rows, blocks]
+        held = vals != BAD
+        if held.any():
+            self.pools[p].release(vals[held], tag)
+            self._set_cells(p, rows[held], blocks[held], BAD)
 
-    def _set_cells(self, p: int, row: int, blocks: np.ndarray, values) -> None:
-        self.table[p, row, blocks] = values
-        B = self.layout.max_blocks
-        self._dirty.append((p * self.spec.max_batch + row) * B + np.asarray(blocks, np.int64))
+    def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
+        for p, slots in enumerate(per_group):
+            self.pools[p].release(slots, tag)
+            self._scratch_held[p] -= len(slots)
+
+    def _set_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, values) -> None:
+        if len(blocks) == 0:
+            return
+        self.table[p, rows, blocks] = values
+        self._dirty.append((p * self.spec.max_batch + np.asarray(rows, np.int64)) * self.layout.max_blocks + blocks)
 
     # -- completion ------------------------------------------------------------------------------
     def _completed_count(self) -> int:
@@ -521,6 +565,7 @@ class KVCacheManager:
         return list(self._in_flight)
 
     def synchronize(self) -> None:
+        """Wait for all work on the backend's streams, then lift the quarantine of finished steps."""
         self.backend.synchronize()
         self._poll()
 
@@ -554,10 +599,11 @@ class KVCacheManager:
 
     def state(self) -> tuple:
         """A comparable snapshot of every piece of host state (tests compare it around failing calls)."""
-        reqs = tuple((repr(r.rid), r.row, r.prompt_len, r.history, r.capacity, tuple(r.stale_done),
-                      tuple(s.id for s in r.pending),
+        reqs = tuple((repr(r.rid), r.row, r.incarnation,
                       tuple((k, tuple(a.tobytes() for a in v)) for k, v in sorted(r.scratch.items())))
                      for r in self._requests.values())
-        return (self.table.tobytes(), tuple(np.concatenate(self._dirty).tolist()) if self._dirty else (),
-                reqs, tuple(sorted(self._free_rows)), tuple(p.state() for p in self.pools),
+        arrays = tuple(a.tobytes() for a in (self._hist, self._cap, self._prompt, self._incarnation,
+                                             self._last_scheduled, self._stale_done))
+        return (self.table.tobytes(), np.concatenate(self._dirty).tobytes() if self._dirty else b"",
+                reqs, arrays, tuple(sorted(self._free_rows)), tuple(p.state() for p in self.pools),
                 self._next_step_id, tuple(s.id for s in self._unsettled), tuple(self._scratch_held))

@@ -55,27 +55,28 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: sorted unique flat indices of
     changed table cells and `values` their current values.
     """
-    num_seqs = len(copy_idx)
-    P, num_contexts = begs.shape
-    M = scratch.shape[2]
     run_start, run_voff = runs_from_cells(cells)
-    h = buf[:HEADER_WORDS]
-    h[H_STEP] = step_id & 0x7FFFFFFF
-    h[H_NUM_RUNS] = len(run_start)
-    h[H_NUM_VALUES] = len(values)
-    h[H_NUM_SEQS] = num_seqs
-    h[H_NUM_CONTEXTS] = num_contexts
-    h[H_SCRATCH_WIDTH] = M
-    h[H_NUM_TOKENS] = cu_tokens[-1] if len(cu_tokens) else 0
+    sections = (copy_idx, begs, ends, scratch, run_start, run_voff, values, cu_tokens, start_pos)
+    sizes = [int(np.size(a)) for a in sections]
+    header = [0] * HEADER_WORDS
+    header[H_STEP] = step_id & 0x7FFFFFFF
+    header[H_NUM_RUNS] = len(run_start)
+    header[H_NUM_VALUES] = len(values)
+    header[H_NUM_SEQS] = len(copy_idx)
+    header[H_NUM_CONTEXTS] = begs.shape[1]
+    header[H_SCRATCH_WIDTH] = scratch.shape[2]
+    header[H_NUM_TOKENS] = int(cu_tokens[-1]) if len(cu_tokens) else 0
     pos = HEADER_WORDS
-    for slot, arr in ((H_OFF_COPY_IDX, copy_idx), (H_OFF_BEGS, begs), (H_OFF_ENDS, ends),
-                      (H_OFF_SCRATCH, scratch), (H_OFF_RUN_START, run_start), (H_OFF_RUN_VOFF, run_voff),
-                      (H_OFF_VALUES, values), (H_OFF_CU_TOKENS, cu_tokens), (H_OFF_START_POS, start_pos)):
-        n = int(np.size(arr))
-        h[slot] = pos
-        buf[pos:pos + n] = np.ravel(arr)
+    for off, n in zip(_SECTION_OFFSETS, sizes):
+        header[off] = pos
         pos += n
+    # One concatenation and one store: cheaper than a store per section at decode sizes.
+    buf[:pos] = np.concatenate([header] + [np.ravel(a) for a in sections])
     return pos
+
+
+_SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
+                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS)
 
 
 def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
