@@ -175,7 +175,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 for b in np.flatnonzero(row != BAD):
                     d[int(row[b])] = (rid, int(b))
                 if k < s.num_contexts and s.scratch_ends[g.index, k] > s.scratch_begs[g.index, k]:
-                    for slot in s.scratch_slots[g.index, k]:
+                    used = cdiv(2 * int(s.scratch_ends[g.index, k] - s.scratch_begs[g.index, k]), g.scale)
+                    for slot in s.scratch_slots[g.index, k, :used]:     # the rest is padding
                         d.setdefault(int(slot), "scratch")
             seen[g.index] = d
         return seen
