@@ -8,6 +8,7 @@ package imports on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -29,6 +30,12 @@ DELTA_DEFAULT_BLOCKS = 256
 # Conversion: threads per block along B (each thread writes 4 blocks); grid.y at most this many entries.
 CONVERT_MAX_THREADS = 128
 GRID_Y_MAX = 65535
+# Write positions: threads per block, and the grid cap (the kernel grid-strides over the step's tokens).
+WRITE_POS_THREADS = 256
+WRITE_POS_MAX_BLOCKS = 1024
+# KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
+WRITE_KV_THREADS = 256
+WRITE_KV_MAX_BLOCKS = 4096
 # A gate nobody opens releases its stream after this long, and reports it through close_timeout_hit().
 GATE_TIMEOUT_S = 10.0
 
@@ -70,8 +77,8 @@ class CudaGate:
     """Holds a stream (at the point the gate was enqueued) until open() is called.
 
     Two words of mapped pinned host memory: [0] the flag the gate kernel spins on, [1] set by the kernel
-    when it gave up after its timeout. The memory must outlive the kernel, so the backend keeps every
-    gate's allocation until the backend itself is collected.
+    when it gave up after its timeout. The memory must outlive the kernel: gate words come from
+    process-lifetime pages and are never freed or reused (see _new_gate_words).
     """
 
     def __init__(self, ptr: int):
@@ -88,13 +95,21 @@ class CudaGate:
         return self._timed_out.value != 0
 
 
-def _free_host(ptrs: List[int]) -> None:
-    for ptr in ptrs:
-        try:
-            runtime.freeHost(ptr)
-        except Exception:   # interpreter shutdown or a dead context: nothing left to protect
-            pass
-    ptrs.clear()
+# Gate words: two int32 per gate in mapped pinned host memory, from pages that live for the whole process and
+# are never reused or freed. Freeing them (cudaFreeHost, e.g. from a finalizer when the garbage collector
+# drops an old backend) synchronizes the whole device: if another gate is spinning at that moment, the host
+# blocks until that gate times out. Reusing words is unsafe too while an old gate kernel may still run.
+GATES_PER_PAGE = 512
+_gate_lock = threading.Lock()
+_gate_words: List[int] = []        # unused word pairs of the current page (addresses), popped from the end
+
+
+def _new_gate_words() -> int:
+    with _gate_lock:
+        if not _gate_words:
+            page = runtime.hostAlloc(GATES_PER_PAGE * 8, runtime.hostAllocMapped | runtime.hostAllocPortable)
+            _gate_words.extend(page + 8 * i for i in reversed(range(GATES_PER_PAGE)))
+        return _gate_words.pop()
 
 
 def _require_device(arr, name: str, align: int = 4) -> None:
@@ -118,10 +133,9 @@ class CudaBackend:
         self._module: Optional[cupy.RawModule] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
-        # Gate allocations stay alive as long as the backend: freeing them while a gate kernel may still
-        # read them is a use-after-free, and cudaFreeHost synchronizes the whole device.
-        self._gate_ptrs: List[int] = []
-        self._gates_finalizer = weakref.finalize(self, _free_host, self._gate_ptrs)
+        # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
+        # another stream); dropped once the event recorded after that work has completed. See keep_until.
+        self._keep: List[tuple] = []
 
     # -- streams and events --------------------------------------------------------------------
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
@@ -138,9 +152,14 @@ class CudaBackend:
         stream.wait_event(getattr(event, "event", event))
 
     def gate(self, stream: cupy.cuda.Stream, timeout_s: float = GATE_TIMEOUT_S) -> CudaGate:
-        """Enqueue a gate on `stream`: work enqueued after it runs only once gate.open() is called."""
-        ptr = runtime.hostAlloc(8, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        self._gate_ptrs.append(ptr)
+        """Enqueue a gate on `stream`: work enqueued after it runs only once gate.open() is called.
+
+        While a gate spins, anything that synchronizes the device blocks the host until the gate opens or
+        times out: cudaFreeHost, and loading a kernel module (the first launch of any CuPy or torch kernel
+        in the process). Warm up every kernel the gated code uses before closing a gate.
+        """
+        self._kernel("cupykv_gate")          # load the module now, before anything is held
+        ptr = _new_gate_words()
         gate = CudaGate(ptr)
         max_cycles = int(timeout_s * self._clock_rate_khz() * 1000)
         # Under unified addressing the host pointer of mapped pinned memory is valid on the device.
@@ -241,6 +260,109 @@ class CudaBackend:
             args = (snap, mirror, out, consts.d_layer_group, consts.d_layer_koff, consts.d_group_scale,
                     np.int32(consts.num_layers), np.int32(consts.rows), np.int32(max_batch), np.int32(B))
             self._kernel("cupykv_convert_per_layer")(grid, (threads,), args, stream=stream)
+
+    def write_positions(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray,
+                        pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
+                        num_tokens: Optional[int] = None) -> None:
+        """Where each new token's K/V goes (same semantics as HostBackend.write_positions).
+
+        pages [L, capacity]: K page index of new token t for layer l (V = K + 1), read from the step's output
+        tables `out` (so scratch tokens land on their scratch pages; SHARED tables get the layer's K offset
+        added); offsets [capacity]: the token's position in its page. Tokens in batch order; the counts come
+        from the snapshot (cu_tokens, start_pos). num_tokens only sizes the grid; None gives a fixed grid
+        sized for the capacity (graph capture).
+        """
+        B, max_batch = int(consts.max_blocks), int(consts.max_batch)
+        _require_device(snap, "snap")
+        _require_device(out, "out")
+        _require_device(pages, "pages")
+        _require_device(offsets, "offsets")
+        lead = consts.num_groups if shared else consts.num_layers
+        if out.shape != (lead, max_batch, 2, B):
+            raise ValueError(f"write_positions: out has shape {out.shape}, expected {(lead, max_batch, 2, B)}")
+        if pages.ndim != 2 or pages.shape[0] != consts.num_layers or offsets.shape != (pages.shape[1],):
+            raise ValueError(f"write_positions: pages {pages.shape} / offsets {offsets.shape} must be "
+                             f"[{consts.num_layers}, capacity] / [capacity]")
+        tpb = int(consts.tokens_per_block)
+        if tpb <= 0 or tpb & (tpb - 1):
+            raise ValueError(f"write_positions: tokens_per_block={tpb} must be a power of two")
+        capacity = int(pages.shape[1])
+        hint = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
+        blocks = min(max(-(-hint // WRITE_POS_THREADS), 1), WRITE_POS_MAX_BLOCKS)
+        args = (snap, out, pages, offsets, consts.d_layer_group, consts.d_layer_koff, np.int32(consts.num_layers),
+                np.int32(max_batch), np.int32(B), np.int32(capacity), np.int32(tpb), np.int32(1 if shared else 0))
+        self._kernel("cupykv_write_positions")((blocks,), (WRITE_POS_THREADS,), args, stream=stream)
+
+    def write_kv(self, stream: cupy.cuda.Stream, pages: cupy.ndarray, offsets: cupy.ndarray, k: cupy.ndarray,
+                 v: cupy.ndarray, dst: cupy.ndarray, num_tokens: int, tokens_per_block: int,
+                 errors: cupy.ndarray) -> None:
+        """dst[pages[t], offsets[t]] = k[t], dst[pages[t] + 1, offsets[t]] = v[t] for t < num_tokens.
+
+        dst: a page view [num_pages, tpb, ...] (C-contiguous); k, v: C-contiguous [num_tokens, ...] of dst's
+        dtype (2 or 4 bytes); pages, offsets: int32 rows of the write positions. Tokens whose page is out of
+        range (BAD included) are skipped and counted in errors[0]. The caller keeps k and v alive until the
+        launch has run (see keep_until).
+        """
+        _require_device(pages, "pages")
+        _require_device(offsets, "offsets")
+        _require_device(errors, "errors")
+        for name, arr in (("k", k), ("v", v), ("dst", dst)):
+            if not isinstance(arr, cupy.ndarray) or not arr.flags.c_contiguous or arr.dtype != dst.dtype:
+                raise TypeError(f"write_kv: {name} must be a C-contiguous cupy array of dtype {dst.dtype}")
+        n = int(num_tokens)
+        row = int(np.prod(dst.shape[2:], dtype=np.int64))
+        if k.size != n * row or v.size != n * row or pages.size < n or offsets.size < n:
+            raise ValueError(f"write_kv: {n} tokens of {row} elements; k {k.shape}, v {v.shape}, "
+                             f"pages {pages.shape}, offsets {offsets.shape}")
+        if n == 0 or row == 0:
+            return
+        names = {2: "cupykv_write_kv_u16", 4: "cupykv_write_kv_u32"}
+        if dst.itemsize not in names:
+            raise TypeError(f"write_kv: element size {dst.itemsize} B is not supported (2 or 4)")
+        blocks = min(max(-(-(n * row) // WRITE_KV_THREADS), 1), WRITE_KV_MAX_BLOCKS)
+        args = (pages, offsets, k, v, dst, np.int32(n), np.int32(row), np.int32(tokens_per_block),
+                np.int64(dst.shape[0]), errors)
+        self._kernel(names[dst.itemsize])((blocks,), (WRITE_KV_THREADS,), args, stream=stream)
+
+    # -- lifetimes and small asynchronous transfers ---------------------------------------------
+    def keep_until(self, event, *objs) -> None:
+        """Keep `objs` alive until `event` (recorded after the last work that reads or writes them) has
+        completed. CuPy's pools hand a dropped block to the next allocation at once, whatever work on another
+        stream (or a pending DMA into pinned memory) still uses it."""
+        self._keep = [(e, o) for e, o in self._keep if not e.done()]
+        self._keep.append((event, objs))
+
+    def upload_async(self, host: np.ndarray, stream: cupy.cuda.Stream, out: Optional[cupy.ndarray] = None):
+        """Copy a small host array to the device in `stream` order, without blocking the host.
+
+        Goes through a pinned staging buffer kept alive until the copy has run (a copy from pageable memory
+        would wait for the stream to drain). Returns `out` (same size and dtype) or a new device array.
+        """
+        host = np.ascontiguousarray(host)
+        if out is None:
+            with stream:
+                out = cupy.empty(host.shape, host.dtype)
+        elif not out.flags.c_contiguous or out.nbytes != host.nbytes:
+            raise ValueError(f"upload_async: out must be contiguous with {host.nbytes} bytes")
+        if host.nbytes:
+            staging = cupyx.empty_pinned(host.shape, host.dtype)
+            staging[...] = host
+            runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, host.nbytes, runtime.memcpyHostToDevice,
+                                stream.ptr)
+            self.keep_until(self.record(stream), staging)
+        return out
+
+    def download_async(self, dev: cupy.ndarray, stream: cupy.cuda.Stream):
+        """Start a device-to-host copy of `dev` in `stream` order. Returns (pinned host array, event): the host
+        array holds the data once the event has completed; it is kept alive until then even if dropped."""
+        if not dev.flags.c_contiguous:
+            raise ValueError("download_async: needs a contiguous device array")
+        host = cupyx.empty_pinned(dev.shape, dev.dtype)
+        if dev.nbytes:
+            runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
+        event = self.record(stream)
+        self.keep_until(event, host, dev)
+        return host, event
 
     # -- internals -----------------------------------------------------------------------------
     def _kernel(self, name: str) -> cupy.RawKernel:

@@ -164,6 +164,103 @@ extern "C" __global__ void cupykv_convert_shared(const int* __restrict__ snap, c
     }
 }
 
+// Where each new token of the step goes (HostBackend.write_positions is the reference):
+// pages[l, t] = the K page index of new token t for layer l (V = K + 1), read from the step's output tables,
+// so tokens of scratch blocks land on their scratch pages; offsets[t] = its position inside the page.
+// t runs over the step's new tokens in batch order: entry s owns [cu_tokens[s], cu_tokens[s+1]) and its
+// first new token is at sequence position start_pos[s]. Counts come from the snapshot header; a fixed grid
+// covers any step (grid-stride over tokens). Everything is clamped like the host emulation, so a corrupt
+// snapshot (unsafe staging) writes garbage inside the buffers, never outside them: entries at most
+// max_batch, tokens at most `capacity`, blocks in [0, B). Tokens >= the step's count are not touched.
+// shared: out is [P, max_batch, 2, B] (K = slot * scale) and the layer's K offset is added here;
+// otherwise out is [L, max_batch, 2, B].
+extern "C" __global__ void cupykv_write_positions(const int* __restrict__ snap, const int* __restrict__ out,
+                                                  int* __restrict__ pages, int* __restrict__ offsets,
+                                                  const int* __restrict__ layer_group,
+                                                  const int* __restrict__ layer_koff, int num_layers,
+                                                  int max_batch, int B, int capacity, int tpb, int shared)
+{
+    const int num_seqs = max(0, min(snap[H_NUM_SEQS], max_batch));
+    const int* cu = snap + snap[H_OFF_CU_TOKENS];
+    const int* start_pos = snap + snap[H_OFF_START_POS];
+    const long long cu0 = cu[0];
+    const long long total = min(max(static_cast<long long>(cu[num_seqs]) - cu0, 0LL),
+                                static_cast<long long>(capacity));
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+
+    for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
+        // The entry that owns token t: the first s with cu[s + 1] - cu[0] > t (entries with no tokens are
+        // skipped). With cu_tokens non-decreasing this is exact; otherwise it is some s, still in range.
+        const long long target = cu0 + t;
+        int lo = 0, hi = num_seqs;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (static_cast<long long>(cu[mid + 1]) <= target)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo >= num_seqs)
+            continue;
+        const int s = lo;
+        const long long pos = static_cast<long long>(start_pos[s]) + (target - cu[s]);
+        long long block = pos < 0 ? 0 : pos / tpb;
+        if (block > B - 1)
+            block = B - 1;
+        offsets[t] = static_cast<int>(pos & static_cast<long long>(tpb - 1));   // pos mod tpb, tpb = 2^k
+        for (int l = 0; l < num_layers; ++l) {
+            const int plane = shared ? layer_group[l] : l;
+            const int k = out[((static_cast<long long>(plane) * max_batch + s) * 2) * B + block];   // role K
+            int page = k;
+            if (shared && k != BAD)
+                page = static_cast<int>(static_cast<unsigned>(k) + static_cast<unsigned>(layer_koff[l]));
+            pages[static_cast<long long>(l) * capacity + t] = page;
+        }
+    }
+}
+
+// KV storage writes (cupykv/storage.py): for each new token t < num_tokens, copy its K row (row = kv_heads *
+// head_dim elements) to dst[page_t, offset_t] and its V row to dst[page_t + 1, offset_t], where dst is the
+// group's page view [num_pages, tpb, row] and page_t = pages[t] (one layer's row of the write positions).
+// Elements are copied as raw 2- or 4-byte words, so one kernel serves float16, bfloat16 and float32.
+// A token whose page or offset is out of range (BAD included) is skipped and counted in *errors.
+template <typename T>
+__device__ __forceinline__ void write_kv(const int* __restrict__ pages, const int* __restrict__ offsets,
+                                         const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ dst,
+                                         int num_tokens, int row, int tpb, long long num_pages,
+                                         int* __restrict__ errors)
+{
+    const long long n = static_cast<long long>(num_tokens) * row;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const long long t = i / row;
+        const long long e = i - t * row;
+        const long long page = pages[t];
+        const int off = offsets[t];
+        if (page < 0 || page + 1 >= num_pages || off < 0 || off >= tpb) {
+            if (e == 0)
+                atomicAdd(errors, 1);
+            continue;
+        }
+        dst[(page * tpb + off) * row + e] = k[i];
+        dst[((page + 1) * tpb + off) * row + e] = v[i];
+    }
+}
+
+extern "C" __global__ void cupykv_write_kv_u16(const int* pages, const int* offsets, const unsigned short* k,
+                                               const unsigned short* v, unsigned short* dst, int num_tokens,
+                                               int row, int tpb, long long num_pages, int* errors)
+{
+    write_kv<unsigned short>(pages, offsets, k, v, dst, num_tokens, row, tpb, num_pages, errors);
+}
+
+extern "C" __global__ void cupykv_write_kv_u32(const int* pages, const int* offsets, const unsigned int* k,
+                                               const unsigned int* v, unsigned int* dst, int num_tokens,
+                                               int row, int tpb, long long num_pages, int* errors)
+{
+    write_kv<unsigned int>(pages, offsets, k, v, dst, num_tokens, row, tpb, num_pages, errors);
+}
+
 // Test gate: holds the stream it runs on until the host writes a non-zero value into *flag (mapped
 // pinned memory), so race tests can order "copy enqueued" before "host rewrites the source" without
 // sleeps. The clock64() budget turns a test that forgets to open the gate into a failure the host can
