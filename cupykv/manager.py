@@ -23,7 +23,7 @@ from .errors import (CapacityExceededError, DuplicateRequestError, InvalidReques
                      OutOfSlotsError, StepOrderError, UnknownRequestError)
 from .layout import BAD, Layout
 from .spec import CacheSpec
-from .staging import HEADER_WORDS, SnapshotRing, pack_snapshot, snapshot_words
+from .staging import MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, snapshot_words
 from .step import Step
 
 RequestId = Hashable
@@ -110,11 +110,16 @@ class KVCacheManager:
         how long prepare waits for a slot once the bound is reached.
     max_steps_in_flight: prepared steps whose finish event has not completed; more is an error.
     debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
+    use_graphs: run each step's device work (snapshot copy, delta apply, conversions, write positions) as
+        one CUDA graph replay per ring slot and batch-size bucket instead of separate launches.
+    steady_batch_delta: when a decode step has the previous step's batch, row for row, rewrite only the
+        output cells whose table entry changed instead of the batch's whole rows.
     """
 
     def __init__(self, spec: CacheSpec, backend: Union[str, object] = "auto", *, staging: str = "snapshot",
                  ring_slots: int = 4, max_ring_slots: int = 64, staging_timeout_s: float = 10.0,
-                 max_steps_in_flight: int = 64, debug_verify_mirror: bool = False):
+                 max_steps_in_flight: int = 64, debug_verify_mirror: bool = False, use_graphs: bool = False,
+                 steady_batch_delta: bool = True):
         if staging not in STAGING_MODES:
             raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
         self.spec = spec
@@ -123,6 +128,8 @@ class KVCacheManager:
         self.staging = staging
         self.max_steps_in_flight = max_steps_in_flight
         self.debug_verify_mirror = debug_verify_mirror
+        self.use_graphs = use_graphs
+        self.steady_batch_delta = steady_batch_delta
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         self.pools = [SlotPool(n) for n in lay.slots_per_group]
         # Pinned so that the unsafe mode can DMA from it directly; the snapshot mode never does.
@@ -220,17 +227,26 @@ class KVCacheManager:
 
     # -- steps -----------------------------------------------------------------------------------
     def prepare_batch(self, contexts: Union[Mapping[RequestId, int], Sequence[Tuple[RequestId, int]]] = (),
-                      generation: Iterable[RequestId] = (), num_gen_tokens: int = 1) -> Step:
+                      generation: Iterable[RequestId] = (), num_gen_tokens: int = 1,
+                      pad_to: Optional[int] = None) -> Step:
         """Schedule one step and enqueue its tables.
 
         contexts: request id -> tokens of its next prefill chunk. generation: request ids that decode
         num_gen_tokens tokens each (more than one for speculative decoding). Contexts come first in the
         batch. Slots are reserved for every new token (all or nothing), the step's inputs are
         snapshotted, and the copy and kernels are enqueued on the manager stream. Returns the Step.
+        pad_to: for a consumer captured with a fixed batch size: output rows [num_seqs, pad_to) are
+        written BAD.
         """
         ctx_items = list(contexts.items()) if isinstance(contexts, Mapping) else [tuple(c) for c in contexts]
         gen_ids = generation.tolist() if isinstance(generation, np.ndarray) else list(generation)
-        return self._commit(self._plan(ctx_items, gen_ids, num_gen_tokens))
+        num_seqs = len(ctx_items) + len(gen_ids)
+        if pad_to is not None and (not _is_count(pad_to) or not num_seqs <= pad_to <= self.spec.max_batch):
+            raise InvalidRequestError(f"pad_to={pad_to!r} must be an int in [{num_seqs}, max_batch="
+                                      f"{self.spec.max_batch}]")
+        plan = self._plan(ctx_items, gen_ids, num_gen_tokens)
+        plan["pad_to"] = int(pad_to or 0)
+        return self._commit(plan)
 
     def _plan(self, ctx_items, gen_ids, k) -> dict:
         """Validate a step and work out what it needs; changes no state."""
@@ -363,6 +379,7 @@ class KVCacheManager:
         step = Step(self, step_id, plan["ctx_ids"] + plan["gen_ids"], rows.astype(np.int32),
                     self._incarnation[rows], tokens, starts, C)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
+        step.pad_to = plan["pad_to"]
         self._enqueue(step, plan["ring_slot"])
         self._next_step_id += 1
         self._last_step = step
@@ -378,24 +395,49 @@ class KVCacheManager:
         prev = self._in_flight[-1] if self._in_flight else None
         if prev is not None:
             be.wait(st, prev.finished)     # the previous consumer's reads come before our writes
-        if self.staging == "snapshot":
-            values = self.table.reshape(-1)[cells]
-            words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
-                                  step.scratch_slots, cells, values, cu_tokens, step.start_positions)
-            be.copy_h2d(slot.dev, slot.host, words, st)
-            slot.copied = be.record(st)
-            snap, num_runs = slot.dev, int(slot.host[1])
-            self.h2d_bytes_last_step = words * 4
-        else:
-            snap, num_runs = self._enqueue_unsafe(step, cu_tokens)
         shared = self.spec.table_mode == "shared"
-        be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
-        be.convert(st, snap, self.mirror, self.out, self._consts, shared, num_seqs=step.num_seqs)
-        be.write_positions(st, snap, self.out, self.write_pages, self.write_offsets, self._consts, shared,
-                           num_tokens=int(cu_tokens[-1]))
+        if self.staging == "unsafe":
+            snap, num_runs = self._enqueue_unsafe(step, cu_tokens)
+            be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
+            be.convert(st, snap, self.mirror, self.out, self._consts, shared, num_seqs=step.num_seqs)
+            be.write_positions(st, snap, self.out, self.write_pages, self.write_offsets, self._consts, shared,
+                               num_tokens=int(cu_tokens[-1]))
+            step.ready = be.record(st)
+            return
+        step.mode = MODE_DELTA if self._steady(step) else MODE_FULL
+        values = self.table.reshape(-1)[cells]
+        words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
+                              step.scratch_slots, cells, values, cu_tokens, step.start_positions,
+                              mode=step.mode, pad_to=step.pad_to)
+        rows_hint = max(step.num_seqs, step.pad_to)
+        if self.use_graphs:
+            bucket = min(1 << max(rows_hint - 1, 0).bit_length(), self.spec.max_batch)
+            be.launch_step_graph(st, slot, self.mirror, self.out, self.write_pages, self.write_offsets,
+                                 self._consts, shared, bucket)
+            self.h2d_bytes_last_step = slot.capacity * 4      # the graph copies the whole slot
+        else:
+            be.copy_h2d(slot.dev, slot.host, words, st)
+            self.h2d_bytes_last_step = words * 4
+        slot.copied = be.record(st)
+        if not self.use_graphs:
+            be.apply_deltas(st, slot.dev, self.mirror, self._consts, num_runs=max(len(cells), 1))
+            if step.mode == MODE_DELTA:
+                be.convert_delta(st, slot.dev, self.out, self._consts, shared, num_values=len(cells))
+            else:
+                be.convert(st, slot.dev, self.mirror, self.out, self._consts, shared, num_seqs=rows_hint)
+            be.write_positions(st, slot.dev, self.out, self.write_pages, self.write_offsets, self._consts, shared,
+                               num_tokens=int(cu_tokens[-1]))
         step.ready = be.record(st)
         if self.debug_verify_mirror:
             self.verify_mirror()
+
+    def _steady(self, step: Step) -> bool:
+        """True when the output already holds this batch's rows (the previous step's, row for row, no
+        contexts in either, same padding): only changed cells need rewriting."""
+        prev = self._last_step
+        return (self.steady_batch_delta and prev is not None and getattr(prev, "mode", None) is not None
+                and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
+                and np.array_equal(prev.rows, step.rows))
 
     def _enqueue_unsafe(self, step: Step, cu_tokens):
         """UNSAFE, for the race tests only: metadata from a pinned pool array dropped right after enqueue,

@@ -32,6 +32,8 @@ class Step:
         self.ready = None                           # event: tables and write positions are written
         self.finished = None                        # event: the consumer's last read
         self.settled = False
+        self.pad_to = 0                             # output rows [num_seqs, pad_to) were written BAD
+        self.mode: Optional[int] = None             # staging.MODE_FULL or MODE_DELTA (None: unsafe staging)
         # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
         self.scratch_begs: Optional[np.ndarray] = None     # [P, num_contexts]
         self.scratch_ends: Optional[np.ndarray] = None     # [P, num_contexts]

@@ -10,13 +10,14 @@ import pytest
 import cupykv
 from conftest import Capture
 
-STAGINGS = ["snapshot", "unsafe"]
+STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
 
 
 def make(backend_name, staging, **kw):
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2, **kw)
-    return cupykv.KVCacheManager(spec, backend=backend_name, staging=staging)
+    graphs = staging.endswith("+graphs")
+    return cupykv.KVCacheManager(spec, backend=backend_name, staging=staging.split("+")[0], use_graphs=graphs)
 
 
 def run_gated(mgr, first, then):
@@ -35,7 +36,7 @@ def run_gated(mgr, first, then):
 
 def check(staging, step, bad):
     """Snapshot staging: every captured step is right. Unsafe staging: the gated step is wrong."""
-    if staging == "snapshot":
+    if staging.startswith("snapshot"):
         assert bad == [], f"steps with wrong tables: {bad}"
     else:
         assert step.id in bad, "the unsafe mode survived: this test does not catch the race"

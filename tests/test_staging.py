@@ -102,3 +102,57 @@ def test_verify_mirror_debug_option():
     mgr.mirror[0, 0, 0] = 12345      # a corrupt mirror is caught
     with pytest.raises(AssertionError, match="mirror differs"):
         mgr.verify_mirror()
+
+
+def test_steady_batch_rewrites_only_changed_cells(backend_name):
+    """Decode steps with the previous step's batch use DELTA mode; tables still equal the reference."""
+    from conftest import Capture
+    from cupykv.staging import MODE_DELTA, MODE_FULL
+    spec = cupykv.CacheSpec(windows=[32, None, 32], num_kv_heads=1, head_dim=8, tokens_per_block=8,
+                            max_seq_len=2048, max_batch=8, slots_per_group=2048)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    cap = Capture(mgr)
+    for r in range(6):
+        mgr.add(r, 100 + 7 * r)
+    s = mgr.prepare_batch({r: 100 + 7 * r for r in range(6)})
+    cap.consume(s)
+    mgr.settle(s)
+    modes, live = [], [0, 1, 2, 3, 4, 5]
+    for i in range(40):
+        batch = live if i % 10 else live[::-1]          # now and then another order
+        s = mgr.prepare_batch((), batch)
+        cap.consume(s)
+        mgr.settle(s)
+        modes.append(s.mode)
+        if i == 25:
+            mgr.free(3)
+            mgr.add("new", 50)
+            live = [0, 1, 2, 4, 5, "new"]
+            s = mgr.prepare_batch({"new": 50}, live[:-1])
+            cap.consume(s)
+            mgr.settle(s)
+            modes.append(s.mode)
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert modes.count(MODE_DELTA) >= 30 and modes.count(MODE_FULL) >= 4
+    assert modes[0] == MODE_FULL and modes[10] == MODE_FULL and modes[11] == MODE_FULL
+
+
+def test_padding_rows_read_bad(backend_name):
+    mgr = make(backend_name)
+    for r in range(5):
+        mgr.add(r, 40)
+    s = mgr.prepare_batch({r: 40 for r in range(5)})
+    s.finish()
+    mgr.settle(s)
+    s = mgr.prepare_batch((), [0, 1], pad_to=4)
+    s.ready.synchronize()
+    out = mgr.backend.to_numpy(mgr.out)
+    assert (out[:, 2:4] == cupykv.BAD).all()
+    assert (out[:, :2, :, 0] != cupykv.BAD).all()
+    assert (out[:, 4, :, 0] != cupykv.BAD).all()      # row 4 (the prefill step's) is past pad_to: untouched
+    s.finish()
+    before = mgr.state()
+    with pytest.raises(cupykv.InvalidRequestError, match="pad_to"):
+        mgr.prepare_batch((), [0, 1, 2], pad_to=2)
+    assert mgr.state() == before

@@ -131,6 +131,8 @@ class CudaBackend:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._streams: "weakref.WeakSet[cupy.cuda.Stream]" = weakref.WeakSet()
         self._module: Optional[cupy.RawModule] = None
+        self._graphs: dict = {}
+        self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
         # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
@@ -260,6 +262,49 @@ class CudaBackend:
             args = (snap, mirror, out, consts.d_layer_group, consts.d_layer_koff, consts.d_group_scale,
                     np.int32(consts.num_layers), np.int32(consts.rows), np.int32(max_batch), np.int32(B))
             self._kernel("cupykv_convert_per_layer")(grid, (threads,), args, stream=stream)
+
+    def convert_delta(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray, consts,
+                      shared: bool, num_values: Optional[int] = None) -> None:
+        """DELTA-mode conversion: rewrite only the output cells whose table entry changed (the snapshot's
+        delta runs). The kernel does nothing unless the snapshot's mode is DELTA. num_values only sizes
+        the grid; None gives a fixed grid (graph capture)."""
+        hint = DELTA_DEFAULT_BLOCKS * DELTA_THREADS if num_values is None else max(int(num_values), 1)
+        blocks = min(-(-hint // DELTA_THREADS), DELTA_MAX_BLOCKS)
+        args = (snap, out, consts.d_layer_group, consts.d_layer_koff, consts.d_group_scale,
+                np.int32(consts.num_layers), np.int32(consts.rows), np.int32(consts.max_batch),
+                np.int32(consts.max_blocks), np.int32(1 if shared else 0))
+        self._kernel("cupykv_convert_delta")((blocks,), (DELTA_THREADS,), args, stream=stream)
+
+    def launch_step_graph(self, stream: cupy.cuda.Stream, slot, mirror: cupy.ndarray, out: cupy.ndarray,
+                          pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool, seqs_bucket: int) -> None:
+        """The step's device work as one CUDA graph launch: the copy of the whole snapshot slot, apply
+        deltas, both conversions (each kernel checks the snapshot's mode), write positions.
+
+        One graph per (ring slot buffers, batch-size bucket), captured on first use. Every count comes from
+        the snapshot header on the device and every grid is fixed, so a replay is right for any step whose
+        batch fits the bucket. The buffers are fixed for the life of the slot; a slot that grows gets new
+        buffers and so a new graph.
+        """
+        key = (slot.host.ctypes.data, slot.dev.data.ptr, slot.capacity, int(seqs_bucket), bool(shared))
+        graph = self._graphs.get(key)
+        if graph is None:
+            for name in ("cupykv_apply_deltas", "cupykv_convert_per_layer", "cupykv_convert_shared",
+                         "cupykv_convert_delta", "cupykv_write_positions"):
+                self._kernel(name)          # load the module before capturing (loading may not be captured)
+            if self._capture_stream is None:
+                self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+            cs = self._capture_stream
+            cs.begin_capture()
+            try:
+                self.copy_h2d(slot.dev, slot.host, slot.capacity, cs)
+                self.apply_deltas(cs, slot.dev, mirror, consts, num_runs=None)
+                self.convert(cs, slot.dev, mirror, out, consts, shared, num_seqs=seqs_bucket)
+                self.convert_delta(cs, slot.dev, out, consts, shared, num_values=None)
+                self.write_positions(cs, slot.dev, out, pages, offsets, consts, shared, num_tokens=None)
+            finally:
+                graph = cs.end_capture()
+            self._graphs[key] = graph
+        graph.launch(stream)
 
     def write_positions(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray,
                         pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,

@@ -13,7 +13,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 import numpy as np
 
 from ..errors import StagingExhaustedError, CupykvError
-from ..staging import unpack_snapshot
+from ..staging import MODE_DELTA, unpack_snapshot
 
 BAD = -1
 
@@ -188,7 +188,10 @@ class HostBackend:
                 shared: bool, num_seqs: Optional[int] = None) -> None:
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
+            if s["mode"] == MODE_DELTA:
+                return
             n, c = s["num_seqs"], s["num_contexts"]
+            out[:, n:max(n, min(s["pad_to"], out.shape[1]))] = BAD           # padding rows of a fixed batch
             base = mirror[:, s["copy_idx"], :].astype(np.int64)            # [P, n, B]
             bad = base == BAD
             if shared:
@@ -212,6 +215,40 @@ class HostBackend:
                         vals[:c] = np.where(inside, slot * scale + (t % scale + off) % scale, vals[:c])
                     out[layer, :n, r, :] = vals
         stream.enqueue(run)
+
+    def convert_delta(self, stream: SimStream, snap: np.ndarray, out: np.ndarray, consts, shared: bool,
+                      num_values: Optional[int] = None) -> None:
+        """DELTA mode: rewrite the output cells of the changed table cells that belong to the batch."""
+        def run():
+            s = unpack_snapshot(snap, consts.num_groups)
+            if s["mode"] != MODE_DELTA:
+                return
+            B, rows = consts.max_blocks, consts.rows
+            lengths = np.diff(s["run_voff"])
+            cells = np.repeat(s["run_start"], lengths) + (np.arange(len(s["values"])) -
+                                                          np.repeat(s["run_voff"][:-1], lengths))
+            entry = {int(r): k for k, r in enumerate(s["copy_idx"])}
+            for cell, base in zip(cells.tolist(), s["values"].tolist()):
+                p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
+                if row not in entry:
+                    continue
+                k, scale = entry[row], int(consts.group_scale[p])
+                planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
+                                                   if consts.layer_group[l] == p]
+                for plane, off in planes:
+                    for r in (0, 1):
+                        out[plane, k, r, b] = BAD if base == BAD else base * scale + off + r
+        stream.enqueue(run)
+
+    def launch_step_graph(self, stream: SimStream, slot, mirror, out, pages, offsets, consts, shared: bool,
+                          seqs_bucket: int) -> None:
+        """What the CUDA backend captures as a graph, enqueued op by op: the copy of the whole slot, then
+        every kernel, each reading its counts from the snapshot header."""
+        self.copy_h2d(slot.dev, slot.host, slot.capacity, stream)
+        self.apply_deltas(stream, slot.dev, mirror, consts)
+        self.convert(stream, slot.dev, mirror, out, consts, shared)
+        self.convert_delta(stream, slot.dev, out, consts, shared)
+        self.write_positions(stream, slot.dev, out, pages, offsets, consts, shared)
 
     def write_positions(self, stream: SimStream, snap: np.ndarray, out: np.ndarray, pages: np.ndarray,
                         offsets: np.ndarray, consts, shared: bool, num_tokens: Optional[int] = None) -> None:
