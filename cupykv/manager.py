@@ -49,6 +49,10 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
     return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def _is_count(n) -> bool:
     return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
 
@@ -411,10 +415,12 @@ class KVCacheManager:
                               mode=step.mode, pad_to=step.pad_to)
         rows_hint = max(step.num_seqs, step.pad_to)
         if self.use_graphs:
-            bucket = min(1 << max(rows_hint - 1, 0).bit_length(), self.spec.max_batch)
+            # Buckets keep the number of graphs small: batch size and copy size round up to powers of two.
+            bucket = min(_pow2_at_least(rows_hint), self.spec.max_batch)
+            copy_words = min(_pow2_at_least(max(words, 1024)), slot.capacity)
             be.launch_step_graph(st, slot, self.mirror, self.out, self.write_pages, self.write_offsets,
-                                 self._consts, shared, bucket)
-            self.h2d_bytes_last_step = slot.capacity * 4      # the graph copies the whole slot
+                                 self._consts, shared, bucket, copy_words)
+            self.h2d_bytes_last_step = copy_words * 4
         else:
             be.copy_h2d(slot.dev, slot.host, words, st)
             self.h2d_bytes_last_step = words * 4

@@ -276,16 +276,19 @@ class CudaBackend:
         self._kernel("cupykv_convert_delta")((blocks,), (DELTA_THREADS,), args, stream=stream)
 
     def launch_step_graph(self, stream: cupy.cuda.Stream, slot, mirror: cupy.ndarray, out: cupy.ndarray,
-                          pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool, seqs_bucket: int) -> None:
+                          pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool, seqs_bucket: int,
+                          copy_words: int) -> None:
         """The step's device work as one CUDA graph launch: the copy of the whole snapshot slot, apply
         deltas, both conversions (each kernel checks the snapshot's mode), write positions.
 
-        One graph per (ring slot buffers, batch-size bucket), captured on first use. Every count comes from
+        One graph per (ring slot buffers, batch-size bucket, copy-size bucket), captured on first use; the
+        copy covers the first copy_words words of the slot (a power-of-two bucket of the snapshot size). Every count comes from
         the snapshot header on the device and every grid is fixed, so a replay is right for any step whose
         batch fits the bucket. The buffers are fixed for the life of the slot; a slot that grows gets new
         buffers and so a new graph.
         """
-        key = (slot.host.ctypes.data, slot.dev.data.ptr, slot.capacity, int(seqs_bucket), bool(shared))
+        key = (slot.host.ctypes.data, slot.dev.data.ptr, slot.capacity, int(seqs_bucket), int(copy_words),
+               bool(shared))
         graph = self._graphs.get(key)
         if graph is None:
             for name in ("cupykv_apply_deltas", "cupykv_convert_per_layer", "cupykv_convert_shared",
@@ -296,7 +299,7 @@ class CudaBackend:
             cs = self._capture_stream
             cs.begin_capture()
             try:
-                self.copy_h2d(slot.dev, slot.host, slot.capacity, cs)
+                self.copy_h2d(slot.dev, slot.host, copy_words, cs)
                 self.apply_deltas(cs, slot.dev, mirror, consts, num_runs=None)
                 self.convert(cs, slot.dev, mirror, out, consts, shared, num_seqs=seqs_bucket)
                 self.convert_delta(cs, slot.dev, out, consts, shared, num_values=None)

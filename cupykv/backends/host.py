@@ -241,10 +241,10 @@ class HostBackend:
         stream.enqueue(run)
 
     def launch_step_graph(self, stream: SimStream, slot, mirror, out, pages, offsets, consts, shared: bool,
-                          seqs_bucket: int) -> None:
-        """What the CUDA backend captures as a graph, enqueued op by op: the copy of the whole slot, then
-        every kernel, each reading its counts from the snapshot header."""
-        self.copy_h2d(slot.dev, slot.host, slot.capacity, stream)
+                          seqs_bucket: int, copy_words: int) -> None:
+        """What the CUDA backend captures as a graph, enqueued op by op: the copy of the slot's first
+        copy_words words, then every kernel, each reading its counts from the snapshot header."""
+        self.copy_h2d(slot.dev, slot.host, copy_words, stream)
         self.apply_deltas(stream, slot.dev, mirror, consts)
         self.convert(stream, slot.dev, mirror, out, consts, shared)
         self.convert_delta(stream, slot.dev, out, consts, shared)

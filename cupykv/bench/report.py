@@ -26,7 +26,7 @@ def _ok(r: dict) -> str:
     if r.get("error") and not r.get("n"):
         return "n/a"
     if r["checked"] is None:
-        return ""
+        return "" if r["contender"] == "floor" else "not sampled"
     return "yes" if r["checked"] else "NO"
 
 
