@@ -255,7 +255,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     if (group is None) == (layer is None):
         raise InvalidRequestError("csr_views: give exactly one of group= or layer=")
     mgr = step.manager
-    if getattr(mgr, "_last_step", step) is not step:
+    if mgr.latest_step is not step:
         raise StepOrderError(f"csr_views: step {step.id} is not the latest prepared step; its tables were "
                              "overwritten by a later prepare_batch")
     lay, be = mgr.layout, mgr.backend

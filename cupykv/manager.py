@@ -226,6 +226,11 @@ class KVCacheManager:
             raise UnknownRequestError(f"unknown request id {rid!r}") from None
 
     @property
+    def latest_step(self) -> Optional[Step]:
+        """The most recently prepared step: the one whose tables the output buffers hold."""
+        return self._last_step
+
+    @property
     def _last_prepared(self) -> int:
         return self._next_step_id - 1
 

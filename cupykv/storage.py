@@ -121,7 +121,7 @@ class KVStorage:
         mgr = self.manager
         if mgr is None or getattr(step, "manager", None) is not mgr:
             raise StepOrderError("KVStorage.write: the step must come from the manager this storage was made for")
-        if getattr(mgr, "_last_step", step) is not step:
+        if mgr.latest_step is not step:
             raise StepOrderError(f"KVStorage.write: step {step.id} is not the latest prepared step; its write "
                                  "positions were overwritten by a later prepare_batch")
         if not 0 <= int(layer) < self.layout.num_layers:
