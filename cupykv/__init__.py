@@ -14,7 +14,7 @@ from .backends import cuda_available
 __version__ = "0.1.0"
 
 __all__ = [
-    "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Step", "cuda_available",
+    "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
     "CupykvError", "InvalidSpecError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
     "BackendUnavailableError",

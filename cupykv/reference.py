@@ -24,7 +24,6 @@ def convert_per_layer(table, copy_idx, num_contexts, begs, ends, scratch_slots,
     num_seqs = len(copy_idx)
     if out is None:
         out = np.full((L, max_batch or num_seqs, 2, B), BAD, np.int32)
-    b = np.arange(B)
     for layer in range(L):
         p = int(layer_group[layer])
         scale = int(group_scale[p])

@@ -20,8 +20,7 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 """
 from __future__ import annotations
 
-import time
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 

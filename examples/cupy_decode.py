@@ -356,13 +356,18 @@ def run_model(name, windows, backend):
     return ok
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_backend(argv, doc: str) -> str:
+    """The examples' one option: --backend auto|cuda|host, resolved ('auto': the GPU when there is one)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
-    args = ap.parse_args(argv)
-    backend = args.backend
+    backend = ap.parse_args(argv).backend
     if backend == "auto":
         backend = "cuda" if cupykv.cuda_available() else "host"
+    return backend
+
+
+def main(argv=None) -> int:
+    backend = parse_backend(argv, __doc__)
     print(f"cupy_decode: backend={backend} ({'CuPy RawKernel' if backend == 'cuda' else 'NumPy'} paged attention)")
     t0 = time.perf_counter()
     ok = all([run_model(name, m["windows"], backend) for name, m in MODELS.items()])

@@ -17,7 +17,6 @@ Runs on the GPU (CuPy) and, with the host backend's simulated streams, on the CP
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupykv                                                     # noqa: E402
 from cupykv.storage import KVStorage                              # noqa: E402
-from cupy_decode import ATOL, COMMON, Runner, Workload, dense_reference   # noqa: E402
+from cupy_decode import ATOL, COMMON, Runner, Workload, dense_reference, parse_backend   # noqa: E402
 
 WINDOWS = [16] * 5 + [None]      # Gemma-like 5:1
 
@@ -88,12 +87,7 @@ def run(staging: str, backend: str, gated: bool = True):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
-    args = ap.parse_args(argv)
-    backend = args.backend
-    if backend == "auto":
-        backend = "cuda" if cupykv.cuda_available() else "host"
+    backend = parse_backend(argv, __doc__)
     print(f"overlap_scheduler: backend={backend}; the CPU prepares step N+1 while a gate holds step N; "
           f"finish right after enqueue, settle one step late")
     t0 = time.perf_counter()

@@ -4,7 +4,6 @@ API; after the gate opens, step N's tables must still describe the host state at
 The unsafe staging mode (copies straight from live host buffers and from pinned arrays dropped after
 enqueue) must fail every one of these tests: that proves they catch the race.
 """
-import numpy as np
 import pytest
 
 import cupykv

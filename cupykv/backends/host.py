@@ -12,7 +12,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import StagingExhaustedError, CupykvError
+from ..errors import CupykvError
 from ..staging import MODE_DELTA, unpack_snapshot
 
 BAD = -1

@@ -79,11 +79,14 @@ def targets_text(targets: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def _versions(v: dict) -> str:
+    return ", ".join(f"{k} {v[k]}" for k in ("gpu", "cupykv", "git", "python", "numpy", "cupy", "cuda_runtime",
+                                             "cuda_driver", "torch", "torch_cuda") if k in v)
+
+
 def summary_text(result: dict) -> str:
     m = result["meta"]
-    v = m["versions"]
-    ver = ", ".join(f"{k} {v[k]}" for k in ("gpu", "cupykv", "git", "python", "numpy", "cupy", "cuda_runtime",
-                                            "cuda_driver", "torch", "torch_cuda") if k in v)
+    ver = _versions(m["versions"])
     lines = [f"cupykv benchmark, {m['date']}, backend {m['backend']}", f"command: {m['command']}",
              f"versions: {ver}", *m["messages"], "",
              text_table(result["rows"]), "", targets_text(result["targets"]), "",
@@ -97,8 +100,7 @@ def summary_text(result: dict) -> str:
 def markdown(result: dict) -> str:
     m = result["meta"]
     v = m["versions"]
-    ver = ", ".join(f"{k} {v[k]}" for k in ("gpu", "cupykv", "git", "python", "numpy", "cupy", "cuda_runtime",
-                                            "cuda_driver", "torch", "torch_cuda") if k in v)
+    ver = _versions(v)
     s = m["settings"]
     return "\n".join([
         f"### Benchmark ({v.get('gpu', m['backend'])}, {m['date']})", "",
