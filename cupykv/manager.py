@@ -295,17 +295,17 @@ class KVCacheManager:
                 dup = next(r for r in gen_ids if seen[self._row_of[r]] > 1)
                 raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
             cap = self._cap[gen_rows]
-            unready = np.flatnonzero(cap < self._prompt[gen_rows])
-            if len(unready):
-                i = unready[0]
-                raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt is "
-                                          f"scheduled ({cap[i]} of {self._prompt[gen_rows[i]]} tokens)")
-            over = np.flatnonzero(cap + k > spec.max_seq_len)
-            if len(over):
-                i = over[0]
+            unready = cap < self._prompt[gen_rows]
+            if unready.any():
+                i = int(np.argmax(unready))
+                raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
+                                          f"is scheduled ({cap[i]} of {self._prompt[gen_rows[i]]} tokens)")
+            over = cap > spec.max_seq_len - k
+            if over.any():
+                i = int(np.argmax(over))
                 raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
                                             f"max_seq_len={spec.max_seq_len}")
-            gen_lo, gen_hi = _cdiv(cap, tpb), _cdiv(cap + k, tpb)
+            gen_lo, gen_hi = (cap + (tpb - 1)) // tpb, (cap + (k + tpb - 1)) // tpb
         else:
             gen_lo = gen_hi = np.zeros(0, np.int64)
         total_tokens = sum(ctx_tokens) + k * len(gen_rows)

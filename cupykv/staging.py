@@ -40,11 +40,12 @@ MODE_FULL, MODE_DELTA = 0, 1
 
 def runs_from_cells(cells: np.ndarray):
     """Sorted unique flat cell indices -> (run_start, run_voff) of their contiguous runs."""
-    if len(cells) == 0:
+    n = len(cells)
+    if n == 0:
         return np.empty(0, np.int64), np.zeros(1, np.int64)
-    breaks = np.flatnonzero(np.diff(cells) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    return cells[starts], np.concatenate((starts, [len(cells)]))
+    # run r covers cells[voff[r]:voff[r + 1]]; a run breaks wherever consecutive cells are not adjacent
+    voff = np.flatnonzero(np.concatenate(([True], cells[1:] != cells[:-1] + 1, [True])))
+    return cells[voff[:-1]], voff
 
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
@@ -61,8 +62,9 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     changed table cells and `values` their current values.
     """
     run_start, run_voff = runs_from_cells(cells)
-    sections = (copy_idx, begs, ends, scratch, run_start, run_voff, values, cu_tokens, start_pos)
-    sizes = [int(np.size(a)) for a in sections]
+    sections = (copy_idx, begs.reshape(-1), ends.reshape(-1), scratch.reshape(-1), run_start, run_voff, values,
+                cu_tokens, start_pos)
+    sizes = [a.size for a in sections]
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
@@ -78,7 +80,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
         header[off] = pos
         pos += n
     # One concatenation and one store: cheaper than a store per section at decode sizes.
-    buf[:pos] = np.concatenate([header] + [np.ravel(a) for a in sections])
+    buf[:pos] = np.concatenate((np.array(header, np.int64), *sections))
     return pos
 
 
