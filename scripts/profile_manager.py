@@ -1,0 +1,75 @@
+"""The manager's own host cost per decode step: the host backend with its queued work replaced by no-ops.
+
+    python scripts/profile_manager.py [--lines]     (--lines needs line_profiler)
+"""
+import sys
+import time
+
+import numpy as np
+
+import cupykv
+
+
+class _DoneEvent:
+    def done(self):
+        return True
+
+    def wait(self, timeout=None):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def make_manager(batch=256):
+    spec = cupykv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
+                            max_seq_len=32768, max_batch=batch, slots_per_group=[batch * 8, batch * 1100],
+                            max_step_tokens=1 << 22)
+    mgr = cupykv.KVCacheManager(spec, backend="host")
+    rng = np.random.default_rng(0)
+    for r in range(batch):
+        mgr.add(r, int(rng.integers(8192, 30000)))
+        s = mgr.prepare_batch({r: mgr.request(r).prompt_len})
+        s.finish()
+        mgr.settle(s)
+        mgr.synchronize()
+    be = mgr.backend
+    noop = lambda *a, **k: None   # noqa: E731
+    for name in ("copy_h2d", "apply_deltas", "convert", "convert_delta", "write_positions", "wait"):
+        setattr(be, name, noop)
+    be.record = lambda stream: _DoneEvent()
+    return mgr
+
+
+def main():
+    mgr = make_manager()
+    rids = list(range(mgr.spec.max_batch))
+    tp, ts = [], []
+    for _ in range(500):
+        t0 = time.perf_counter()
+        s = mgr.prepare_batch((), rids)
+        t1 = time.perf_counter()
+        s.finish()
+        t2 = time.perf_counter()
+        mgr.settle(s)
+        t3 = time.perf_counter()
+        tp.append(t1 - t0)
+        ts.append(t3 - t2)
+    print(f"batch {len(rids)} decode: prepare_batch median {np.median(tp) * 1e6:.0f} us, "
+          f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
+    if "--lines" in sys.argv:
+        from line_profiler import LineProfiler
+        from cupykv import manager, staging
+        lp = LineProfiler(manager.KVCacheManager._plan, manager.KVCacheManager._commit,
+                          manager.KVCacheManager._enqueue, staging.pack_snapshot)
+        lp.enable()
+        for _ in range(200):
+            s = mgr.prepare_batch((), rids)
+            s.finish()
+            mgr.settle(s)
+        lp.disable()
+        lp.print_stats(output_unit=1e-6)
+
+
+if __name__ == "__main__":
+    main()
