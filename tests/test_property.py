@@ -32,13 +32,15 @@ class ModelRequest:
 
 class ManagerMachine(RuleBasedStateMachine):
     @initialize(pattern=st.sampled_from(["gptoss", "gemma", "sinks"]), rewind=st.integers(0, 2),
-                scratch=st.booleans(), slots=st.integers(40, 160), graphs=st.booleans(), delta=st.booleans())
-    def setup(self, pattern, rewind, scratch, slots, graphs, delta):
+                scratch=st.booleans(), slots=st.integers(40, 160), graphs=st.booleans(), delta=st.booleans(),
+                shared=st.booleans())
+    def setup(self, pattern, rewind, scratch, slots, graphs, delta, shared):
         windows = {"gptoss": [24, None] * 2, "gemma": [32] * 5 + [None], "sinks": [16, 16, None]}[pattern]
         sinks = 8 if pattern == "sinks" else 0
         self.spec = cupykv.CacheSpec(windows=windows, num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                                      max_seq_len=256, max_batch=6, slots_per_group=slots, max_rewind=rewind,
-                                     swa_scratch_reuse=scratch, sink_tokens=sinks)
+                                     swa_scratch_reuse=scratch and not shared, sink_tokens=sinks,
+                                     table_mode="shared" if shared else "per_layer")
         self.mgr = cupykv.KVCacheManager(self.spec, backend="host", use_graphs=graphs, steady_batch_delta=delta)
         self.lay = self.mgr.layout
         self.cap = Capture(self.mgr)
