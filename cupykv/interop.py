@@ -132,8 +132,10 @@ def write_positions_to_torch(step, stream=None, trim: bool = True) -> Tuple[obje
 
 def pages_to_torch(storage, group: int, step_or_event=None, stream=None):
     """The page view [slots * scale, tpb, kv_heads, head_dim] of a group of a KVStorage as a tensor
-    (bfloat16 storage gives torch.bfloat16). Pass step_or_event to order the consumer after it (e.g. after
-    KVStorage.write on the manager stream)."""
+    (bfloat16 storage gives torch.bfloat16). step_or_event orders the consumer after that event only:
+    KVStorage.write enqueues on the manager stream after step.ready and returns no event, so to read what
+    it wrote, record an event on that stream after the write (mgr.backend.record(mgr.backend.stream)) and
+    pass that."""
     return to_torch(storage.pages(group), step_or_event, stream)
 
 
@@ -244,9 +246,12 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     Pages index the group's page view [slots * scale, tpb, kv_heads, head_dim] (KVStorage.pages); for a
     FlashInfer-style (k_cache, v_cache) pair use (pages, pages[1:]) with the same indices.
     kv_last_page_len[s] = (len - 1) % tpb + 1, in [1, tpb]: the last listed page holds the sequence's last
-    token. Out-of-window blocks of SWA groups are released (BAD), so they are not listed: the listed pages
-    are the blocks from the first resident one on (plus sink blocks), and a consumer that needs absolute
-    positions adds the first resident block * tpb (seq_lens_host minus the listed tokens).
+    token. Out-of-window blocks of SWA groups are released (BAD), so they are not listed: with sink tokens
+    the list is the sink blocks followed by the blocks from the first in-window resident one on, so a
+    consumer that needs absolute positions must not derive them from the list length alone (the table
+    row, step.tables, has the block ordinals).
+    A CsrBuffers holds one view at a time: a second csr_views call into the same buffers overwrites the
+    first.
 
     Computed on the device from the step's output tables, on the manager stream after step.ready (no host
     synchronization); `ready` orders consumers after it. Call before the next prepare_batch.

@@ -117,7 +117,7 @@ class Layout:
         s = self.spec
         if s.slots_per_group is not None:
             spg = s.slots_per_group
-            if isinstance(spg, int):
+            if isinstance(spg, (int, np.integer)):
                 return (spg,) * self.num_groups
             spg = tuple(spg)
             if len(spg) != self.num_groups:

@@ -69,19 +69,24 @@ class Request:
         self.incarnation = incarnation
         self.scratch: Dict[int, List[np.ndarray]] = {}   # step id -> scratch slots per group (unsettled)
 
+    def _live_row(self) -> int:
+        if self._mgr._incarnation[self.row] != self.incarnation:
+            raise UnknownRequestError(f"request {self.rid!r} was freed; this Request no longer describes it")
+        return self.row
+
     @property
     def prompt_len(self) -> int:
-        return int(self._mgr._prompt[self.row])
+        return int(self._mgr._prompt[self._live_row()])
 
     @property
     def history(self) -> int:
         """Tokens whose KV is final (settled)."""
-        return int(self._mgr._hist[self.row])
+        return int(self._mgr._hist[self._live_row()])
 
     @property
     def capacity(self) -> int:
         """Tokens with KV space reserved: history plus the tokens of unsettled steps."""
-        return int(self._mgr._cap[self.row])
+        return int(self._mgr._cap[self._live_row()])
 
     @property
     def pending(self) -> List[Step]:
@@ -126,6 +131,9 @@ class KVCacheManager:
                  steady_batch_delta: bool = True):
         if staging not in STAGING_MODES:
             raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
+        if not _is_count(ring_slots) or ring_slots < 1 or not _is_count(max_ring_slots) or max_ring_slots < ring_slots:
+            raise InvalidSpecError(f"ring_slots={ring_slots!r}, max_ring_slots={max_ring_slots!r}: need "
+                                   f"1 <= ring_slots <= max_ring_slots")
         self.spec = spec
         self.layout = lay = Layout(spec)
         self.backend = be = make_backend(backend) if isinstance(backend, str) else backend
@@ -135,6 +143,9 @@ class KVCacheManager:
         self.use_graphs = use_graphs
         self.steady_batch_delta = steady_batch_delta
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
+        if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
+            raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
+                                   f"at most 2^31 - 1 (lower max_batch or max_seq_len)")
         self.pools = [SlotPool(n) for n in lay.slots_per_group]
         # Pinned so that the unsafe mode can DMA from it directly; the snapshot mode never does.
         self.table = be.pinned_empty(P * rows * B).reshape(P, rows, B)
@@ -248,6 +259,8 @@ class KVCacheManager:
         written BAD.
         """
         ctx_items = list(contexts.items()) if isinstance(contexts, Mapping) else [tuple(c) for c in contexts]
+        if isinstance(generation, (str, bytes)):
+            raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids, not one id")
         gen_ids = generation.tolist() if isinstance(generation, np.ndarray) else list(generation)
         num_seqs = len(ctx_items) + len(gen_ids)
         if pad_to is not None and (not _is_count(pad_to) or not num_seqs <= pad_to <= self.spec.max_batch):
@@ -394,6 +407,8 @@ class KVCacheManager:
         self._last_step = step
         self._in_flight.append(step)
         self._unsettled.append(step)
+        if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
+            self.verify_mirror()
         return step
 
     def _enqueue(self, step: Step, slot) -> None:
@@ -439,8 +454,6 @@ class KVCacheManager:
             be.write_positions(st, slot.dev, self.out, self.write_pages, self.write_offsets, self._consts, shared,
                                num_tokens=int(cu_tokens[-1]))
         step.ready = be.record(st)
-        if self.debug_verify_mirror:
-            self.verify_mirror()
 
     def _steady(self, step: Step) -> bool:
         """True when the output already holds this batch's rows (the previous step's, row for row, no

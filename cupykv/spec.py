@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from .errors import InvalidSpecError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -14,8 +16,12 @@ def _fail(name: str, value, why: str) -> None:
     raise InvalidSpecError(f"CacheSpec.{name}={value!r}: {why}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _is_int(value) or value <= 0:
         _fail(name, value, "must be a positive int")
 
 
@@ -60,7 +66,7 @@ class CacheSpec:
         if len(windows) == 0:
             _fail("windows", self.windows, "needs one entry per layer (None = full attention)")
         for i, w in enumerate(windows):
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            if w is not None and (not _is_int(w) or w <= 0):
                 _fail("windows", self.windows, f"layer {i} has window {w!r}; use a positive int or None")
         object.__setattr__(self, "windows_tuple", windows)
         _positive_int("num_kv_heads", self.num_kv_heads)
@@ -74,9 +80,9 @@ class CacheSpec:
         _positive_int("max_batch", self.max_batch)
         sinks = self.sinks_per_layer()
         for i, s in enumerate(sinks):
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            if not _is_int(s) or s < 0:
                 _fail("sink_tokens", self.sink_tokens, f"layer {i} has {s!r}; use an int >= 0")
-        if isinstance(self.max_rewind, bool) or not isinstance(self.max_rewind, int) or self.max_rewind < 0:
+        if not _is_int(self.max_rewind) or self.max_rewind < 0:
             _fail("max_rewind", self.max_rewind, "must be an int >= 0")
         if self.max_step_tokens is not None:
             _positive_int("max_step_tokens", self.max_step_tokens)
@@ -92,8 +98,8 @@ class CacheSpec:
             _positive_int("memory_bytes", self.memory_bytes)
         spg = self.slots_per_group
         if spg is not None:
-            for v in ([spg] if isinstance(spg, int) and not isinstance(spg, bool) else list(spg)):
-                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            for v in ([spg] if _is_int(spg) else list(spg)):
+                if not _is_int(v) or v <= 0:
                     _fail("slots_per_group", spg, "every entry must be a positive int")
 
     @property
@@ -101,7 +107,7 @@ class CacheSpec:
         return len(self.windows_tuple)
 
     def sinks_per_layer(self) -> tuple:
-        if isinstance(self.sink_tokens, int) and not isinstance(self.sink_tokens, bool):
+        if _is_int(self.sink_tokens):
             return (self.sink_tokens,) * len(self.windows_tuple)
         sinks = tuple(self.sink_tokens)
         if len(sinks) != len(self.windows_tuple):

@@ -65,7 +65,13 @@ class Step:
         return self.manager.write_offsets
 
     def finish(self, stream=None) -> None:
-        """Record that the consumer (on `stream`, default: the manager stream) is done reading."""
+        """Record that the consumer is done reading: an event on `stream` after its last read.
+
+        The default, the manager stream, is right only for a consumer that reads on the host after
+        waiting on `ready` (or on the manager stream itself). A consumer on another stream must pass it
+        (a backend stream; for a torch stream use cupykv.interop.finish_on_torch): the next step's
+        conversion and the release of quarantined slots wait for this event.
+        """
         if self.finished is not None:
             raise StepOrderError(f"step {self.id} was already finished")
         be = self.manager.backend

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import numpy as np
+from contextlib import nullcontext as _nullcontext
 
 from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import Layout
@@ -166,7 +167,7 @@ class KVStorage:
 
     def gather(self, step, layer: int, stream=None) -> Tuple[object, object]:
         """Read back K/V of the step's new tokens for one layer from their write positions:
-        ([num_tokens, kv_heads, head_dim], same for V). Ordered on `stream` (default the manager stream)
+        ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD). Ordered on `stream` (default the manager stream)
         after the work already enqueued there; on the host backend this waits for it."""
         mgr = self.manager
         be = self.backend
@@ -175,12 +176,12 @@ class KVStorage:
         dst = self.layer_pages(int(layer))
         if self.xp is np:
             st.synchronize()
-            p = mgr.write_pages[int(layer), :n].astype(np.int64)
-            o = mgr.write_offsets[:n].astype(np.int64)
-            return dst[p, o].copy(), dst[p + 1, o].copy()
-        with st:
-            p = mgr.write_pages[int(layer), :n]
-            o = mgr.write_offsets[:n]
+        with (st if self.xp is not np else _nullcontext()):
+            xp = self.xp
+            # A token whose write page is BAD was not written (errors() counts it); its values here are
+            # undefined. Clamp so that it reads page 0, not the last page through index -1.
+            p = xp.maximum(mgr.write_pages[int(layer), :n].astype(xp.int64), 0)
+            o = mgr.write_offsets[:n].astype(xp.int64)
             return dst[p, o], dst[p + 1, o]
 
     def errors(self) -> int:

@@ -3,6 +3,8 @@ manager keeps working afterwards (DESIGN.md section 6: check first, then mutate)
 import numpy as np
 import pytest
 
+import cupykv
+
 from cupykv import (BAD, CacheSpec, CapacityExceededError, CupykvError, DuplicateRequestError,
                     InvalidRequestError, KVCacheManager, OutOfSlotsError, StepOrderError, UnknownRequestError)
 from cupykv.layout import cdiv
@@ -331,3 +333,39 @@ def test_out_of_slots():
     run_step(mgr, contexts={"C": 48})
     # settled h=48: SWA stale hi = (49 - 32) // 16 = 1 -> C's block 0 goes back to group 0
     assert [g["free"] for g in mgr.stats()["groups"]] == [1, 0]
+
+
+def test_review_findings():
+    """Inputs a careful user could pass by mistake get clear errors; numpy ints are ints."""
+    import numpy as np
+    spec = cupykv.CacheSpec(windows=[32, None], num_kv_heads=np.int64(1), head_dim=8, tokens_per_block=16,
+                            max_seq_len=np.int32(256), max_batch=4, slots_per_group=np.int64(64))
+    mgr = cupykv.KVCacheManager(spec, backend="host")
+    mgr.add("req-1", 16)
+    before = mgr.state()
+    with pytest.raises(InvalidRequestError, match="list of request ids"):
+        mgr.prepare_batch(generation="req-1")
+    assert mgr.state() == before
+    req = mgr.request("req-1")
+    mgr.free("req-1")
+    mgr.add("other", 20)                          # takes the same row
+    with pytest.raises(UnknownRequestError, match="was freed"):
+        req.prompt_len
+    with pytest.raises(cupykv.InvalidSpecError, match="ring_slots"):
+        cupykv.KVCacheManager(spec, backend="host", ring_slots=0, max_ring_slots=0)
+
+
+def test_failed_mirror_check_leaves_the_step_registered():
+    spec = cupykv.CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16,
+                            max_seq_len=256, max_batch=4, slots_per_group=64)
+    mgr = cupykv.KVCacheManager(spec, backend="host", debug_verify_mirror=True)
+    mgr.add("a", 10)
+    gate = mgr.backend.gate(mgr.backend.stream)
+    with pytest.raises(Exception, match="closed gate"):
+        mgr.prepare_batch({"a": 10})              # the debug check cannot wait for a gated stream
+    step = mgr.latest_step                        # ...but the step exists and can be finished and settled
+    assert step is not None and step.num_seqs == 1
+    gate.open()
+    step.finish()
+    mgr.settle(step)
+    assert mgr.request("a").history == 10

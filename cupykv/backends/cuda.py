@@ -132,6 +132,7 @@ class CudaBackend:
         self._streams: "weakref.WeakSet[cupy.cuda.Stream]" = weakref.WeakSet()
         self._module: Optional[cupy.RawModule] = None
         self._graphs: dict = {}
+        self._graph_buffers: dict = {}
         self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
@@ -287,8 +288,13 @@ class CudaBackend:
         batch fits the bucket. The buffers are fixed for the life of the slot; a slot that grows gets new
         buffers and so a new graph.
         """
-        key = (slot.host.ctypes.data, slot.dev.data.ptr, slot.capacity, int(seqs_bucket), int(copy_words),
-               bool(shared))
+        # The graph bakes in every buffer address, so all of them are in the key (a backend may serve
+        # several managers), and the graph keeps its buffers alive.
+        buffers = (slot.host, slot.dev, mirror, out, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
+                   consts.d_group_scale)
+        key = (slot.host.ctypes.data, slot.dev.data.ptr, mirror.data.ptr, out.data.ptr, pages.data.ptr,
+               offsets.data.ptr, consts.d_layer_group.data.ptr, slot.capacity, int(seqs_bucket),
+               int(copy_words), bool(shared))
         graph = self._graphs.get(key)
         if graph is None:
             for name in ("cupykv_apply_deltas", "cupykv_convert_per_layer", "cupykv_convert_shared",
@@ -307,6 +313,7 @@ class CudaBackend:
             finally:
                 graph = cs.end_capture()
             self._graphs[key] = graph
+            self._graph_buffers[key] = buffers
         graph.launch(stream)
 
     def write_positions(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray,
