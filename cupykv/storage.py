@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import numpy as np
-from contextlib import nullcontext as _nullcontext
 
 from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import Layout
@@ -174,14 +173,16 @@ class KVStorage:
         n = int(np.sum(step.num_tokens))
         st = be.stream if stream is None else stream
         dst = self.layer_pages(int(layer))
+        # A token whose write page is BAD was not written (errors() counts it): its values here are
+        # undefined (index -1 reads the last page).
         if self.xp is np:
             st.synchronize()
-        with (st if self.xp is not np else _nullcontext()):
-            xp = self.xp
-            # A token whose write page is BAD was not written (errors() counts it); its values here are
-            # undefined. Clamp so that it reads page 0, not the last page through index -1.
-            p = xp.maximum(mgr.write_pages[int(layer), :n].astype(xp.int64), 0)
-            o = mgr.write_offsets[:n].astype(xp.int64)
+            p = mgr.write_pages[int(layer), :n].astype(np.int64)
+            o = mgr.write_offsets[:n].astype(np.int64)
+            return dst[p, o].copy(), dst[p + 1, o].copy()
+        with st:
+            p = mgr.write_pages[int(layer), :n]
+            o = mgr.write_offsets[:n]
             return dst[p, o], dst[p + 1, o]
 
     def errors(self) -> int:

@@ -10,7 +10,7 @@ import time
 import cupy
 import numpy as np
 
-import cupykv
+from profile_manager import prefilled_manager
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 for block in (True, False):
@@ -24,17 +24,7 @@ for e in evs:
     e.record(s)
 print(f"record: {(time.perf_counter() - t0) / 200 * 1e6:.1f} us each")
 
-spec = cupykv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
-                        max_seq_len=32768, max_batch=batch, slots_per_group=[batch * 8, batch * 1100],
-                        max_step_tokens=1 << 22)
-mgr = cupykv.KVCacheManager(spec, backend="cuda")
-rng = np.random.default_rng(0)
-for r in range(batch):
-    mgr.add(r, int(rng.integers(8192, 30000)))
-    s = mgr.prepare_batch({r: mgr.request(r).prompt_len})
-    s.finish()
-    mgr.settle(s)
-mgr.synchronize()
+mgr = prefilled_manager(batch, backend="cuda")
 rids = list(range(batch))
 
 

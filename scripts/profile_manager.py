@@ -21,11 +21,12 @@ class _DoneEvent:
         pass
 
 
-def make_manager(batch=256):
+def prefilled_manager(batch: int = 256, backend: str = "host") -> cupykv.KVCacheManager:
+    """A GPT-OSS-120B-shaped manager (32k) with `batch` requests prefilled to 8k-30k tokens."""
     spec = cupykv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
                             max_seq_len=32768, max_batch=batch, slots_per_group=[batch * 8, batch * 1100],
                             max_step_tokens=1 << 22)
-    mgr = cupykv.KVCacheManager(spec, backend="host")
+    mgr = cupykv.KVCacheManager(spec, backend=backend)
     rng = np.random.default_rng(0)
     for r in range(batch):
         mgr.add(r, int(rng.integers(8192, 30000)))
@@ -33,6 +34,12 @@ def make_manager(batch=256):
         s.finish()
         mgr.settle(s)
         mgr.synchronize()
+    return mgr
+
+
+def make_manager(batch=256):
+    """prefilled_manager on the host backend, its queued device work replaced by no-ops."""
+    mgr = prefilled_manager(batch)
     be = mgr.backend
     noop = lambda *a, **k: None   # noqa: E731
     for name in ("copy_h2d", "apply_deltas", "convert", "convert_delta", "write_positions", "wait"):
