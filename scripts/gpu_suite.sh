@@ -22,6 +22,23 @@ for part in $parts; do
             python3 -m pytest tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py -q \
             -p no:cacheprovider -k "cuda or graph" -x
       done ;;
+    sanitize-graphs)   # graph capture and the race tests, each tool over the whole set (no -x)
+      for tool in memcheck racecheck; do
+        run "sanitizer_$tool" timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            python3 -m pytest tests/test_graphs.py tests/test_races.py -q -p no:cacheprovider \
+            -k "cuda or graph" --durations=8
+      done ;;
+    breakdown)   # per-kernel device time under Nsight Compute, three shapes, into one log
+      for cfg in "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs" "gpt-oss-20b 32768 1" \
+                 "gemma-3-27b 32768 64"; do
+          echo "== $cfg" >>"$OUT/breakdown.log"
+          timeout 100 ncu --profile-from-start off --clock-control none -k regex:cupykv --csv \
+              --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+              python3 scripts/kernel_breakdown.py $cfg >/tmp/ncu.csv 2>&1
+          grep -v '^"' /tmp/ncu.csv | tail -n 3 >>"$OUT/breakdown.log"
+          python3 scripts/kernel_breakdown.py --summarize /tmp/ncu.csv >>"$OUT/breakdown.log" 2>&1
+      done
+      cat "$OUT/breakdown.log" ;;
     examples) for ex in examples/*.py; do run "example_$(basename "$ex" .py)" timeout 120 python3 "$ex"; done ;;
     bench) run bench timeout 300 python3 -m cupykv.bench --out "$OUT" ${BENCH_ARGS:-} ;;
     profile) run profile timeout 60 python3 scripts/profile_host.py 256 ;;

@@ -1,0 +1,68 @@
+"""Per-kernel device time of decode steps, for Nsight Compute (ncu) on a GPU machine.
+
+    ncu --profile-from-start off --clock-control none -k regex:cupykv --csv \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python scripts/kernel_breakdown.py gpt-oss-120b 131072 256 [steps]
+
+Builds the benchmark's workload for one (shape, max_seq_len, batch), prefills it (not profiled), then
+profiles `steps` decode steps (churn and steady alternate, as in the benchmark). Without ncu it prints the
+median device time per step from CUDA events instead.
+"""
+import csv
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+
+def summarize(path: str) -> None:
+    """Median of each metric per kernel from ncu's --csv output (lines that are not CSV rows are echoed)."""
+    vals = defaultdict(list)
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for row in csv.DictReader(lines):
+        try:
+            vals[(row["Kernel Name"].split("(")[0], row["Metric Name"], row["Metric Unit"])].append(
+                float(row["Metric Value"].replace(",", "")))
+        except (KeyError, ValueError):
+            continue
+    for (kernel, metric, unit), v in sorted(vals.items()):
+        print(f"  {kernel:32s} {metric:55s} median {np.median(v):10.2f} {unit:8s} (n={len(v)})")
+
+
+if sys.argv[1] == "--summarize":
+    summarize(sys.argv[2])
+    sys.exit(0)
+
+import cupy  # noqa: E402
+
+from cupykv.bench.harness import SHAPES, Settings, Workload  # noqa: E402
+
+shape, seq, batch = SHAPES[sys.argv[1]], int(sys.argv[2]), int(sys.argv[3])
+steps = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 12
+graphs = "--graphs" in sys.argv
+settings = Settings(shapes=[shape.name], seqs=[seq], batches=[batch], contexts=[0], steps=steps, warmup=4,
+                    torch=False, backend="cuda")
+wl = Workload(shape, seq, batch, 0, settings, np.random.default_rng(0))
+wl.setup_decode()
+mgr = wl.mgr
+mgr.use_graphs = graphs
+st = mgr.backend.stream
+e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+times = []
+for i in range(steps + 4):
+    if i == 4:
+        cupy.cuda.runtime.profilerStart()
+    pos = wl.pre_churn_decode_only(i)
+    ctx, gen, case = wl.schedule_decode_only(pos)
+    e0.record(st)
+    step = mgr.prepare_batch(contexts=ctx, generation=gen)
+    e1.record(st)
+    e1.synchronize()
+    if i >= 4:
+        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
+    step.finish()
+    mgr.settle(step)
+cupy.cuda.runtime.profilerStop()
+print(f"{shape.name} {seq} b{batch} graphs={graphs}: event time per step (ungated) median "
+      f"{np.median(times):.1f} us over {len(times)} steps")
