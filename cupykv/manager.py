@@ -95,6 +95,54 @@ class Request:
                 if np.any((s.rows == self.row) & (s.incarnations == self.incarnation))]
 
 
+class _GenBatch:
+    """A generation list that passed the lookup, duplicate and readiness checks.
+
+    Decode steps usually schedule the same requests as the step before, so prepare_batch keeps the last
+    validated list and skips those checks when the next list is equal to it. It stays valid until the
+    next free: only a free changes the row of a listed id (an added id is not in the list), and a request
+    that could decode stays able to (its capacity never drops below its prompt: rewinds undo only
+    generated tokens). The arrays are shared by the steps that schedule this list, so they are read-only.
+    """
+
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "k", "tokens")
+
+    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray):
+        self.ids = ids
+        self.rows = _frozen(rows)                            # int64, for indexing the per-row arrays
+        self.rows32 = _frozen(rows.astype(np.int32))         # Step.rows
+        self.incarnations = _frozen(incarnations)
+        self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
+
+    def matches(self, ids: List[RequestId]) -> bool:
+        try:
+            return ids == self.ids
+        except Exception:        # an id whose == misbehaves (an array): let the full checks report it
+            return False
+
+    def tokens_for(self, k: int) -> np.ndarray:
+        if k != self.k:
+            self.k, self.tokens = k, _frozen(np.full(len(self.rows), k, np.int64))
+        return self.tokens
+
+
+class _GenPlan:
+    """What the generation entries of a step need: their rows, capacities, and new (row, block) pairs."""
+
+    __slots__ = ("batch", "rows", "cap", "new_rows", "new_blocks")
+
+    def __init__(self, batch: Optional[_GenBatch], rows: np.ndarray, cap: np.ndarray, new_rows: np.ndarray,
+                 new_blocks: np.ndarray):
+        self.batch = batch           # the validated list, or None when there are no generation entries
+        self.rows, self.cap = rows, cap
+        self.new_rows, self.new_blocks = new_rows, new_blocks
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 class _Consts:
     """Per-manager constants the kernels need (host copies, and device copies for the CUDA backend)."""
 
@@ -150,7 +198,10 @@ class KVCacheManager:
         # Pinned so that the unsafe mode can DMA from it directly; the snapshot mode never does.
         self.table = be.pinned_empty(P * rows * B).reshape(P, rows, B)
         self.table.fill(BAD)
+        self._table_flat = self.table.reshape(-1)     # a view: cells are addressed by flat index
         self._dirty: List[np.ndarray] = []            # flat table indices changed since the last step
+        self._group_base = np.arange(P, dtype=np.int64)[:, None] * (rows * B)   # flat index of table[p, 0, 0]
+        self._tpb_shift = lay.tpb.bit_length() - 1    # tokens_per_block is a power of two
         # Per-row request state. A row's incarnation counts its tenants, so a step can tell whether the
         # request it scheduled in a row is still the one there.
         self._hist = np.zeros(rows, np.int64)
@@ -160,11 +211,20 @@ class KVCacheManager:
         self._last_scheduled = np.full(rows, -1, np.int64)      # id of the last step that scheduled the row
         self._stale_done = np.zeros((P, rows), np.int64)        # blocks below this were released (SWA)
         self._sink_blocks = np.array([lay.sink_blocks(g) for g in lay.groups], np.int64)
+        self._swa_groups = [g for g in lay.groups if g.window is not None]
         self._requests: Dict[RequestId, Request] = {}
         self._row_of: Dict[RequestId, int] = {}
         self._free_rows = list(range(rows))
+        self._gen_batch: Optional[_GenBatch] = None   # the last validated generation list (see _GenBatch)
+        self._free_epoch = 0                          # frees so far: a step prepared at the same count is all live
         self._consts = _Consts(lay, spec.max_batch, be)
+        # Scratch metadata of a step without contexts (shared by those steps, so read-only).
+        self._no_scratch = (_frozen(np.zeros((P, 0), np.int32)), _frozen(np.zeros((P, 0), np.int32)),
+                            _frozen(np.zeros((P, 0, 0), np.int32)))
         self.mirror = be.device_full((P, rows, B), BAD, np.int32)
+        # (epoch, batch entry) of each row in the last FULL step's batch; DELTA steps look their cells up here
+        self.row_entry = be.device_full((rows, 2), -1, np.int32)
+        self._epoch = 0
         out_planes = P if spec.table_mode == "shared" else lay.num_layers
         self.out = be.device_full((out_planes, spec.max_batch, 2, B), BAD, np.int32)
         # Where each new token's K/V goes: K page index per layer (V is K + 1) and position in the page.
@@ -204,7 +264,7 @@ class KVCacheManager:
         self._last_scheduled[row] = -1
         self._stale_done[:, row] = self._sink_blocks
         self._requests[rid] = Request(self, rid, row, int(self._incarnation[row]))
-        self._row_of[rid] = row
+        self._row_of[rid] = row     # the cached generation list stays valid: no listed id maps here
 
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
@@ -218,6 +278,8 @@ class KVCacheManager:
         req.scratch.clear()
         del self._requests[rid], self._row_of[rid]
         self._incarnation[req.row] += 1      # steps still holding the row now see it as someone else's
+        self._free_epoch += 1
+        self._gen_batch = None
         heapq.heappush(self._free_rows, req.row)
 
     def __contains__(self, rid: RequestId) -> bool:
@@ -295,38 +357,13 @@ class KVCacheManager:
                                           f"({self._cap[row]} of {self._prompt[row]} already scheduled)")
             ctx_rows.append(row)
             ctx_tokens.append(int(n))
-        # Generation: possibly hundreds, checked with array operations.
-        try:
-            gen_rows = np.array(itemgetter(*gen_ids)(self._row_of) if gen_ids else (), np.int64).reshape(-1)
-        except (KeyError, TypeError):
-            bad = next(r for r in gen_ids if not self._known(r))
-            raise UnknownRequestError(f"unknown request id {bad!r}") from None
-        if len(gen_rows):
-            seen = np.bincount(gen_rows, minlength=spec.max_batch)
-            seen[ctx_rows] += 1
-            if seen.max() > 1:
-                dup = next(r for r in gen_ids if seen[self._row_of[r]] > 1)
-                raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
-            cap = self._cap[gen_rows]
-            unready = cap < self._prompt[gen_rows]
-            if unready.any():
-                i = int(np.argmax(unready))
-                raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
-                                          f"is scheduled ({cap[i]} of {self._prompt[gen_rows[i]]} tokens)")
-            over = cap > spec.max_seq_len - k
-            if over.any():
-                i = int(np.argmax(over))
-                raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
-                                            f"max_seq_len={spec.max_seq_len}")
-            gen_lo, gen_hi = (cap + (tpb - 1)) // tpb, (cap + (k + tpb - 1)) // tpb
-        else:
-            gen_lo = gen_hi = np.zeros(0, np.int64)
-        total_tokens = sum(ctx_tokens) + k * len(gen_rows)
+        gen = self._plan_generation(gen_ids, ctx_rows, k)
+        total_tokens = sum(ctx_tokens) + k * len(gen.rows)
         if total_tokens > spec.step_token_capacity:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
         # Slots per group: own blocks of every new block, scratch slots for contexts' scratch ranges.
-        gen_blocks = int((gen_hi - gen_lo).sum())
+        gen_blocks = len(gen.new_rows)
         need = [gen_blocks] * lay.num_groups
         ctx_blocks = []          # per context, per group: (lo, hi, scratch_lo, scratch_hi)
         for row, n in zip(ctx_rows, ctx_tokens):
@@ -339,24 +376,79 @@ class KVCacheManager:
                 per_group.append((lo, hi, s_lo, s_hi))
             ctx_blocks.append(per_group)
         for p, pool in enumerate(self.pools):
-            if need[p] > self._available(p):
+            # the free list alone answers the common case; _available also counts lifted quarantine
+            if need[p] > pool.num_free and need[p] > self._available(p):
                 self._wait_for_slots(p, need[p])
                 if need[p] > self._available(p):
                     raise OutOfSlotsError(
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
                         f"{self._available(p)} free, {pool.num_quarantined} quarantined by unfinished steps")
-        if len(self._in_flight) - self._completed_count() >= self.max_steps_in_flight:
+        if (len(self._in_flight) >= self.max_steps_in_flight
+                and len(self._in_flight) - self._completed_count() >= self.max_steps_in_flight):
             raise StepOrderError(f"{len(self._in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         M = max([lay.scratch_slots_needed(g, s_hi - s_lo)
                  for per in ctx_blocks for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
         cells = sum(len(d) for d in self._dirty) + lay.num_groups * gen_blocks + sum(
             hi - lo for per in ctx_blocks for (lo, hi, _, _) in per)
-        words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
+        words = snapshot_words(len(ctx_rows) + len(gen.rows), len(ctx_rows), lay.num_groups, M, cells, cells)
         slot = self.ring.acquire(words) if self.staging == "snapshot" else None
         return dict(ctx_ids=[item[0] for item in ctx_items], ctx_rows=ctx_rows, ctx_tokens=ctx_tokens,
-                    ctx_blocks=ctx_blocks, gen_ids=gen_ids, gen_rows=gen_rows, gen_lo=gen_lo, gen_hi=gen_hi,
-                    k=k, scratch_width=M, ring_slot=slot)
+                    ctx_blocks=ctx_blocks, gen_ids=gen_ids, gen=gen, k=k, scratch_width=M, ring_slot=slot)
+
+    def _plan_generation(self, gen_ids: List[RequestId], ctx_rows: List[int], k: int) -> _GenPlan:
+        """Check the generation entries (possibly hundreds, with array operations) and find the blocks
+        their k new tokens open; changes no state but the cache of the validated list."""
+        batch = self._gen_batch
+        if batch is None or not batch.matches(gen_ids):
+            batch = self._check_gen_ids(gen_ids, ctx_rows)
+        elif ctx_rows:           # the cached list has no duplicates; a context may still repeat an entry
+            self._check_no_duplicates(gen_ids, batch.rows, ctx_rows)
+        if batch is None:
+            empty = np.zeros(0, np.int64)
+            return _GenPlan(None, empty, empty, empty, empty)
+        rows = batch.rows
+        cap = self._cap[rows]
+        if cap.max() > self.spec.max_seq_len - k:
+            i = int(np.argmax(cap > self.spec.max_seq_len - k))
+            raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
+                                        f"max_seq_len={self.spec.max_seq_len}")
+        tpb, shift = self.layout.tpb, self._tpb_shift
+        if k <= tpb:
+            # At most one new block per entry: block ceil(cap / tpb), opened when the k tokens do not
+            # fit in the room left in the last block. Decode steps take this path.
+            room = -cap & (tpb - 1)
+            new = np.flatnonzero(room < k)
+            return _GenPlan(batch, rows, cap, rows[new], (cap[new] + (tpb - 1)) >> shift)
+        lo, hi = (cap + (tpb - 1)) >> shift, (cap + (k + tpb - 1)) >> shift
+        new_rows, new_blocks = _expand_ranges(rows, lo, hi)
+        return _GenPlan(batch, rows, cap, new_rows, new_blocks)
+
+    def _check_gen_ids(self, gen_ids: List[RequestId], ctx_rows: List[int]) -> Optional[_GenBatch]:
+        """The full checks of a generation list (known, no duplicates, prompt scheduled); caches it."""
+        if not gen_ids:
+            return None
+        try:
+            rows = np.array(itemgetter(*gen_ids)(self._row_of), np.int64).reshape(-1)
+        except (KeyError, TypeError):
+            bad = next(r for r in gen_ids if not self._known(r))
+            raise UnknownRequestError(f"unknown request id {bad!r}") from None
+        self._check_no_duplicates(gen_ids, rows, ctx_rows)
+        cap = self._cap[rows]
+        unready = cap < self._prompt[rows]
+        if unready.any():
+            i = int(np.argmax(unready))
+            raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
+                                      f"is scheduled ({cap[i]} of {self._prompt[rows[i]]} tokens)")
+        self._gen_batch = batch = _GenBatch(gen_ids, rows, self._incarnation[rows])
+        return batch
+
+    def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:
+        seen = np.bincount(rows, minlength=self.spec.max_batch)
+        seen[ctx_rows] += 1
+        if seen.max() > 1:
+            dup = next(r for r in gen_ids if seen[self._row_of[r]] > 1)
+            raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
 
     def _known(self, rid) -> bool:
         try:
@@ -367,9 +459,42 @@ class KVCacheManager:
     def _commit(self, plan: dict) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail after _plan."""
         self._poll()
+        step_id = self._next_step_id
+        begs, ends, scratch = self._commit_contexts(plan, step_id)
+        gen: _GenPlan = plan["gen"]
+        self._allocate_blocks(gen.new_rows, gen.new_blocks)
+        k, C = plan["k"], len(plan["ctx_rows"])
+        if C == 0:
+            # A pure decode step: the batch arrays are the validated list's (shared, read-only).
+            rows, rows32, incarnations = gen.rows, gen.batch.rows32, gen.batch.incarnations
+            tokens, starts = gen.batch.tokens_for(k), gen.cap
+            self._cap[rows] = starts + k
+        else:
+            rows = np.concatenate((np.array(plan["ctx_rows"], np.int64), gen.rows))
+            rows32, incarnations = rows.astype(np.int32), self._incarnation[rows]
+            tokens = np.concatenate((np.array(plan["ctx_tokens"], np.int64), np.full(len(gen.rows), k)))
+            starts = self._cap[rows]
+            self._cap[rows] = starts + tokens
+        self._last_scheduled[rows] = step_id
+        step = Step(self, step_id, plan["ctx_ids"] + plan["gen_ids"], rows32, incarnations, tokens, starts, C)
+        step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
+        step.pad_to = plan["pad_to"]
+        step.free_epoch = self._free_epoch
+        self._enqueue(step, plan["ring_slot"])
+        self._next_step_id += 1
+        self._last_step = step
+        self._in_flight.append(step)
+        self._unsettled.append(step)
+        if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
+            self.verify_mirror()
+        return step
+
+    def _commit_contexts(self, plan: dict, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Own slots and scratch slots of the step's context chunks; returns the scratch metadata."""
         lay = self.layout
         P, M, C = lay.num_groups, plan["scratch_width"], len(plan["ctx_rows"])
-        step_id = self._next_step_id
+        if C == 0:
+            return self._no_scratch
         begs = np.zeros((P, C), np.int32)
         ends = np.zeros((P, C), np.int32)
         scratch = np.zeros((P, C, M), np.int32)
@@ -387,29 +512,15 @@ class KVCacheManager:
                 held.append(s)
             if any(len(h) for h in held):
                 self._requests[rid].scratch[step_id] = held
-        gen_rows, lo, hi = plan["gen_rows"], plan["gen_lo"], plan["gen_hi"]
-        rows, blocks = _expand_ranges(gen_rows, lo, hi)
-        if len(rows):
-            for p, pool in enumerate(self.pools):
-                self._set_cells(p, rows, blocks, pool.allocate(len(rows)))
-        ctx_rows = np.array(plan["ctx_rows"], np.int64)
-        rows = np.concatenate((ctx_rows, gen_rows))
-        tokens = np.concatenate((np.array(plan["ctx_tokens"], np.int64), np.full(len(gen_rows), plan["k"])))
-        starts = self._cap[rows]
-        self._cap[rows] = starts + tokens
-        self._last_scheduled[rows] = step_id
-        step = Step(self, step_id, plan["ctx_ids"] + plan["gen_ids"], rows.astype(np.int32),
-                    self._incarnation[rows], tokens, starts, C)
-        step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
-        step.pad_to = plan["pad_to"]
-        self._enqueue(step, plan["ring_slot"])
-        self._next_step_id += 1
-        self._last_step = step
-        self._in_flight.append(step)
-        self._unsettled.append(step)
-        if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
-            self.verify_mirror()
-        return step
+        return begs, ends, scratch
+
+    def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """A slot of every group for each (row, block): one table store and one log entry for all groups."""
+        n = len(rows)
+        if n == 0:
+            return
+        slots = np.concatenate([pool.allocate(n) for pool in self.pools])
+        self._set_flat((self._group_base + (rows * self.layout.max_blocks + blocks)).reshape(-1), slots)
 
     def _enqueue(self, step: Step, slot) -> None:
         be, st = self.backend, self.backend.stream
@@ -420,39 +531,40 @@ class KVCacheManager:
         if prev is not None:
             be.wait(st, prev.finished)     # the previous consumer's reads come before our writes
         shared = self.spec.table_mode == "shared"
+        tokens = int(cu_tokens[-1])
         if self.staging == "unsafe":
-            snap, num_runs = self._enqueue_unsafe(step, cu_tokens)
-            be.apply_deltas(st, snap, self.mirror, self._consts, num_runs=num_runs)
-            be.convert(st, snap, self.mirror, self.out, self._consts, shared, num_seqs=step.num_seqs)
-            be.write_positions(st, snap, self.out, self.write_pages, self.write_offsets, self._consts, shared,
-                               num_tokens=int(cu_tokens[-1]))
+            snap = self._enqueue_unsafe(step, cu_tokens)
+            be.apply_deltas(st, snap, self.mirror, self._consts, num_values=1)
+            be.build_step(st, snap, self.mirror, self.out, self.row_entry, self.write_pages, self.write_offsets,
+                          self._consts, shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=tokens)
             step.ready = be.record(st)
             return
         step.mode = MODE_DELTA if self._steady(step) else MODE_FULL
+        if step.mode == MODE_FULL:
+            self._epoch = step.id       # DELTA steps find their batch entries through this step's row map
         values = self.table.reshape(-1)[cells]
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions,
-                              mode=step.mode, pad_to=step.pad_to)
-        rows_hint = max(step.num_seqs, step.pad_to)
+                              mode=step.mode, pad_to=step.pad_to, epoch=self._epoch)
+        entries = max(step.num_seqs, step.pad_to)
         if self.use_graphs:
-            # Buckets keep the number of graphs small: batch size and copy size round up to powers of two.
-            bucket = min(_pow2_at_least(rows_hint), self.spec.max_batch)
+            # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers
+            # of two; the kernels read the true counts from the snapshot.
             copy_words = min(_pow2_at_least(max(words, 1024)), slot.capacity)
-            be.launch_step_graph(st, slot, self.mirror, self.out, self.write_pages, self.write_offsets,
-                                 self._consts, shared, bucket, copy_words)
+            be.launch_step_graph(st, slot, self.mirror, self.out, self.row_entry, self.write_pages,
+                                 self.write_offsets, self._consts, shared, step.mode,
+                                 min(_pow2_at_least(entries), self.spec.max_batch),
+                                 min(_pow2_at_least(max(tokens, 256)), self.write_offsets.size), copy_words)
             self.h2d_bytes_last_step = copy_words * 4
+            slot.copied = be.record(st)
         else:
             be.copy_h2d(slot.dev, slot.host, words, st)
             self.h2d_bytes_last_step = words * 4
-        slot.copied = be.record(st)
-        if not self.use_graphs:
-            be.apply_deltas(st, slot.dev, self.mirror, self._consts, num_runs=max(len(cells), 1))
-            if step.mode == MODE_DELTA:
-                be.convert_delta(st, slot.dev, self.out, self._consts, shared, num_values=len(cells))
-            else:
-                be.convert(st, slot.dev, self.mirror, self.out, self._consts, shared, num_seqs=rows_hint)
-            be.write_positions(st, slot.dev, self.out, self.write_pages, self.write_offsets, self._consts, shared,
-                               num_tokens=int(cu_tokens[-1]))
+            slot.copied = be.record(st)
+            be.apply_deltas(st, slot.dev, self.mirror, self._consts, num_values=len(cells))
+            be.build_step(st, slot.dev, self.mirror, self.out, self.row_entry, self.write_pages,
+                          self.write_offsets, self._consts, shared, step.mode, num_entries=entries,
+                          num_values=len(cells), num_tokens=tokens)
         step.ready = be.record(st)
 
     def _steady(self, step: Step) -> bool:
@@ -473,13 +585,13 @@ class KVCacheManager:
         tmp = be.pinned_temp(words)
         empty = np.empty(0, np.int64)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
-                              empty, empty, cu_tokens, step.start_positions)
+                              empty, empty, cu_tokens, step.start_positions, epoch=step.id)
         if self._unsafe_dev is None or len(self._unsafe_dev) < words:
             self._unsafe_dev = be.device_empty(max(words, 4096))
         be.copy_h2d(self._unsafe_dev, tmp, words, st)
         be.copy_h2d(self.mirror, self.table, self.table.size, st)
         self.h2d_bytes_last_step = (words + self.table.size) * 4
-        return self._unsafe_dev, 0
+        return self._unsafe_dev
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None) -> None:
         """The step's tokens are final: history advances by the accepted tokens.
@@ -500,6 +612,26 @@ class KVCacheManager:
                                  f"{self._unsettled[0].id} comes before {step.id}")
         acc = self._accepted(step, accepted)
         rows = step.rows.astype(np.int64)
+        # Only free() changes a row's tenant: when nothing was freed since the prepare, every entry is live.
+        all_live = step.free_epoch == self._free_epoch
+        if all_live and (accepted is None or np.array_equal(acc, step.num_tokens)):
+            self._settle_accepted(step, rows, acc)
+        else:
+            self._settle_general(step, rows, acc)
+        step.settled = True
+        self._unsettled.pop(0)
+
+    def _settle_accepted(self, step: Step, rows: np.ndarray, acc: np.ndarray) -> None:
+        """settle when every entry is live and every token accepted: no rewinds, nothing to check."""
+        tag = self._last_prepared
+        hist = self._hist[rows] + acc
+        self._hist[rows] = hist
+        for rid in step.request_ids[:step.num_contexts]:
+            self._release_scratch(self._requests[rid].scratch.pop(step.id, ()), tag)
+        self._release_stale(rows, hist, tag)
+
+    def _settle_general(self, step: Step, rows: np.ndarray, acc: np.ndarray) -> None:
+        """settle with freed entries or rejected tokens: validate the rewinds first, then apply."""
         live = self._incarnation[rows] == step.incarnations
         rejected = np.where(live, step.num_tokens - acc, 0)
         for i in np.flatnonzero(rejected):
@@ -515,23 +647,31 @@ class KVCacheManager:
         for i in np.flatnonzero(rejected):
             old = int(self._cap[rows[i]])
             self._cap[rows[i]] = old - rejected[i]
+            blocks = np.arange(_cdiv(old - rejected[i], tpb), _cdiv(old, tpb))
             for p in range(self.layout.num_groups):
-                blocks = np.arange(_cdiv(old - rejected[i], tpb), _cdiv(old, tpb))
                 self._release_cells(p, np.full(len(blocks), rows[i]), blocks, tag)
         for i in np.flatnonzero(live[:step.num_contexts]):
             self._release_scratch(self._requests[step.request_ids[i]].scratch.pop(step.id, ()), tag)
         live_rows = rows[live]
-        for g in self.layout.groups:
-            if g.window is None:
+        self._release_stale(live_rows, self._hist[live_rows], tag)
+
+    def _release_stale(self, rows: np.ndarray, hist: np.ndarray, tag: int) -> None:
+        """Release the SWA blocks that fell out of the window now that `rows` have `hist` tokens settled.
+
+        Per row and SWA group that is [stale_done, edge) with edge = (hist + 1 - window) // tpb; only the
+        few rows whose edge crossed a block boundary this step release anything. stale_done starts at the
+        sink blocks, so an edge past it is past the sinks too.
+        """
+        shift = self._tpb_shift
+        for g in self._swa_groups:
+            edge = (hist + (1 - g.window)) >> shift          # floor division by tpb (edge may be negative)
+            done = self._stale_done[g.index, rows]
+            moved = np.flatnonzero(edge > done)
+            if len(moved) == 0:
                 continue
-            hi = np.maximum(self._sink_blocks[g.index], (self._hist[live_rows] + 1 - g.window) // tpb)
-            done = self._stale_done[g.index, live_rows]
-            r, b = _expand_ranges(live_rows, done, hi)
-            if len(r):
-                self._release_cells(g.index, r, b, tag)
-                self._stale_done[g.index, live_rows] = np.maximum(hi, done)
-        step.settled = True
-        self._unsettled.pop(0)
+            r, lo, hi = rows[moved], done[moved], edge[moved]
+            self._release_cells(g.index, *_expand_ranges(r, lo, hi), tag)
+            self._stale_done[g.index, r] = hi
 
     def _accepted(self, step: Step, accepted) -> np.ndarray:
         n = step.num_tokens
@@ -567,11 +707,17 @@ class KVCacheManager:
     # -- slots and cells -------------------------------------------------------------------------
     def _release_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, tag: int) -> None:
         """Quarantine the slots held at table[p, rows, blocks] and clear those cells."""
-        vals = self.table[p, rows, blocks]
+        if len(blocks) == 0:
+            return
+        cells = self._group_base[p, 0] + (rows * self.layout.max_blocks + blocks)
+        vals = self._table_flat[cells]
         held = vals != BAD
-        if held.any():
-            self.pools[p].release(vals[held], tag)
-            self._set_cells(p, rows[held], blocks[held], BAD)
+        if not held.all():          # scratch blocks of a chunk never got a slot of their own
+            cells, vals = cells[held], vals[held]
+            if len(cells) == 0:
+                return
+        self.pools[p].release(vals, tag)
+        self._set_flat(cells, BAD)
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):
@@ -581,8 +727,13 @@ class KVCacheManager:
     def _set_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, values) -> None:
         if len(blocks) == 0:
             return
-        self.table[p, rows, blocks] = values
-        self._dirty.append((p * self.spec.max_batch + np.asarray(rows, np.int64)) * self.layout.max_blocks + blocks)
+        self._set_flat(self._group_base[p, 0] + (np.asarray(rows, np.int64) * self.layout.max_blocks + blocks),
+                       values)
+
+    def _set_flat(self, cells: np.ndarray, values) -> None:
+        """Write table cells by flat index and log them for the next step's snapshot."""
+        self._table_flat[cells] = values
+        self._dirty.append(cells)
 
     # -- completion ------------------------------------------------------------------------------
     def _completed_count(self) -> int:

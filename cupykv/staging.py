@@ -31,7 +31,8 @@ H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RU
 H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
 H_MODE = 16
 H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD (fixed-size consumers)
-HEADER_WORDS = 20          # words 18, 19 are spare, zero
+H_EPOCH = 18               # the id of the FULL step whose batch this is (a FULL step's own id)
+HEADER_WORDS = 20          # word 19 is spare, zero
 
 # H_MODE: FULL rewrites the batch's rows of the output; DELTA (same batch as the previous step, row for
 # row, no contexts in either) rewrites only the output cells whose table entry changed.
@@ -55,7 +56,7 @@ def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_wi
 
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
-                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0) -> int:
+                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, epoch: int = 0) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: sorted unique flat indices of
@@ -75,6 +76,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     header[H_NUM_TOKENS] = int(cu_tokens[-1]) if len(cu_tokens) else 0
     header[H_MODE] = mode
     header[H_PAD_TO] = pad_to
+    header[H_EPOCH] = epoch & 0x7FFFFFFF
     pos = HEADER_WORDS
     for off, n in zip(_SECTION_OFFSETS, sizes):
         header[off] = pos
@@ -98,7 +100,7 @@ def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
         return a.reshape(shape) if shape else a
 
     return dict(
-        step=int(h[H_STEP]), mode=int(h[H_MODE]), pad_to=int(h[H_PAD_TO]), num_seqs=n, num_contexts=c, scratch_width=m, num_tokens=int(h[H_NUM_TOKENS]),
+        step=int(h[H_STEP]), mode=int(h[H_MODE]), epoch=int(h[H_EPOCH]), pad_to=int(h[H_PAD_TO]), num_seqs=n, num_contexts=c, scratch_width=m, num_tokens=int(h[H_NUM_TOKENS]),
         copy_idx=sect(H_OFF_COPY_IDX, n), begs=sect(H_OFF_BEGS, num_groups * c, (num_groups, c)),
         ends=sect(H_OFF_ENDS, num_groups * c, (num_groups, c)),
         scratch=sect(H_OFF_SCRATCH, num_groups * c * m, (num_groups, c, m)),

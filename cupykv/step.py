@@ -34,6 +34,7 @@ class Step:
         self.settled = False
         self.pad_to = 0                             # output rows [num_seqs, pad_to) were written BAD
         self.mode: Optional[int] = None             # staging.MODE_FULL or MODE_DELTA (None: unsafe staging)
+        self.free_epoch: Optional[int] = None       # the manager's free count at prepare (see settle)
         # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
         self.scratch_begs: Optional[np.ndarray] = None     # [P, num_contexts]
         self.scratch_ends: Optional[np.ndarray] = None     # [P, num_contexts]

@@ -15,7 +15,7 @@ from cupykv import reference
 from cupykv.backends.host import HostBackend
 from cupykv.layout import Layout
 from cupykv.spec import CacheSpec
-from cupykv.staging import pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from cupykv.staging import MODE_DELTA, MODE_FULL, pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
 
 BAD = -1
 SENTINEL = 12345          # pre-fills outputs: rows >= num_seqs must still hold it afterwards
@@ -62,7 +62,7 @@ def make_consts(layout: Layout, backend) -> SimpleNamespace:
     """The constants object the manager hands to the backend kernels."""
     return SimpleNamespace(
         num_groups=layout.num_groups, num_layers=layout.num_layers, rows=layout.spec.max_batch,
-        max_batch=layout.spec.max_batch, max_blocks=layout.max_blocks,
+        max_batch=layout.spec.max_batch, max_blocks=layout.max_blocks, tokens_per_block=layout.tpb,
         layer_group=layout.layer_group, layer_koff=layout.layer_koff, group_scale=layout.group_scale,
         d_layer_group=backend.upload(layout.layer_group), d_layer_koff=backend.upload(layout.layer_koff),
         d_group_scale=backend.upload(layout.group_scale))
@@ -93,7 +93,7 @@ def random_range(rng, B: int):
 
 
 def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNamespace:
-    """Random old/new tables, the deltas between them, and one packed snapshot."""
+    """Random old/new tables, the deltas between them, a batch with scratch metadata and new tokens."""
     P, rows, B = layout.num_groups, layout.spec.max_batch, layout.max_blocks
     old = random_table(rng, (P, rows, B))
     new = old.copy()
@@ -107,7 +107,6 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     changed = np.flatnonzero(new.reshape(-1) != old.reshape(-1))
     rewritten = rng.integers(0, new.size, int(rng.integers(0, 5)))    # unchanged cells sent again
     cells = np.unique(np.concatenate((changed, rewritten))).astype(np.int64)
-    values = new.reshape(-1)[cells]
 
     copy_idx = rng.permutation(rows)[:num_seqs].astype(np.int32)
     begs = np.zeros((P, num_contexts), np.int32)
@@ -121,16 +120,27 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     if num_contexts:
         width += int(rng.integers(0, 2))                                  # unused padding columns
     scratch = rng.integers(0, NUM_SLOTS, (P, num_contexts, width)).astype(np.int32)
-    cu_tokens = np.concatenate(([0], np.cumsum(rng.integers(1, 9, num_seqs)))).astype(np.int32)
-    start_pos = rng.integers(0, 100, num_seqs).astype(np.int32)
+    tokens = rng.integers(0, 9, num_seqs)
+    tokens[rng.random(num_seqs) < 0.2] = 0                               # entries with no new tokens
+    cu_tokens = np.concatenate(([0], np.cumsum(tokens))).astype(np.int32)
+    # positions anywhere in the row, and past its end sometimes (the kernel clamps the block)
+    start_pos = rng.integers(0, (B + 2) * layout.tpb, num_seqs).astype(np.int32)
+    return SimpleNamespace(old=old, new=new, cells=cells, num_seqs=num_seqs, num_contexts=num_contexts,
+                           copy_idx=copy_idx, begs=begs, ends=ends, scratch=scratch, cu_tokens=cu_tokens,
+                           start_pos=start_pos, num_tokens=int(cu_tokens[-1]))
 
+
+def pack(case, num_groups: int, mode: int = MODE_FULL, epoch: int = 42, deltas: bool = True) -> np.ndarray:
+    """The case as one snapshot (with `deltas`: the new table's values of the changed cells)."""
+    cells = case.cells if deltas else np.empty(0, np.int64)
+    values = case.new.reshape(-1)[cells]
     run_start, _ = runs_from_cells(cells)
-    words = snapshot_words(num_seqs, num_contexts, P, width, len(run_start), len(values))
+    words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
+                           len(values))
     snap = np.full(words + 7, -7, np.int32)              # slack past the end must not matter
-    assert pack_snapshot(snap, 42, copy_idx, begs, ends, scratch, cells, values, cu_tokens, start_pos) == words
-    return SimpleNamespace(old=old, new=new, snap=snap, words=words, num_runs=len(run_start),
-                           num_seqs=num_seqs, num_contexts=num_contexts, copy_idx=copy_idx, begs=begs,
-                           ends=ends, scratch=scratch)
+    assert pack_snapshot(snap, 7, case.copy_idx, case.begs, case.ends, case.scratch, cells, values,
+                         case.cu_tokens, case.start_pos, mode=mode, epoch=epoch) == words
+    return snap
 
 
 def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndarray:
@@ -143,14 +153,30 @@ def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndar
     return flat.reshape(mirror.shape)
 
 
-def expected_tables(layout: Layout, case) -> tuple:
+def expected_tables(layout: Layout, case, table: np.ndarray, shared: bool) -> np.ndarray:
     L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
-    per_layer = reference.convert_per_layer(
-        case.new, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch,
-        layout.layer_group, layout.group_scale, layout.layer_koff, out=np.full((L, N, 2, B), SENTINEL, np.int32))
-    shared = reference.convert_shared(case.new, case.copy_idx, layout.group_scale,
-                                      out=np.full((P, N, 2, B), SENTINEL, np.int32))
-    return per_layer, shared
+    if shared:
+        return reference.convert_shared(table, case.copy_idx, layout.group_scale,
+                                        out=np.full((P, N, 2, B), SENTINEL, np.int32))
+    return reference.convert_per_layer(table, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch,
+                                       layout.layer_group, layout.group_scale, layout.layer_koff,
+                                       out=np.full((L, N, 2, B), SENTINEL, np.int32))
+
+
+def expected_positions(layout: Layout, case, tables: np.ndarray, shared: bool):
+    """pages [L, T] and offsets [T] read off the reference tables: token t of entry s at position pos goes
+    to the K page of block pos // tpb (clamped to the row); shared tables add the layer's K offset."""
+    seq = np.repeat(np.arange(case.num_seqs), np.diff(case.cu_tokens))
+    pos = case.start_pos[seq] + (np.arange(len(seq)) - case.cu_tokens[seq])
+    blk = np.clip(pos // layout.tpb, 0, layout.max_blocks - 1)
+    pages = np.empty((layout.num_layers, len(seq)), np.int32)
+    for l in range(layout.num_layers):
+        if shared:
+            k = tables[layout.layer_group[l], seq, 0, blk].astype(np.int64)
+            pages[l] = np.where(k == BAD, BAD, k + layout.layer_koff[l])
+        else:
+            pages[l] = tables[l, seq, 0, blk]
+    return pages, (pos % layout.tpb).astype(np.int32)
 
 
 def assert_same(got: np.ndarray, want: np.ndarray, what: str, case) -> None:
@@ -160,7 +186,6 @@ def assert_same(got: np.ndarray, want: np.ndarray, what: str, case) -> None:
         idx = tuple(diff[0])
         pytest.fail(f"{what}: {len(diff)} entries differ; first at {idx}: got {got[idx]}, want {want[idx]} "
                     f"(num_seqs={case.num_seqs}, num_contexts={case.num_contexts})")
-    assert (got[:, case.num_seqs:] == SENTINEL).all(), f"{what}: rows >= num_seqs were written"
 
 
 def cases(rng, spec_name: str, scenario: str):
@@ -170,26 +195,82 @@ def cases(rng, spec_name: str, scenario: str):
         yield layout, make_case(layout, rng, num_seqs, num_contexts)
 
 
+class StepBuffers:
+    """The device buffers of one step kernel run, pre-filled with SENTINEL, on either backend."""
+
+    def __init__(self, backend, layout: Layout, case, table: np.ndarray, shared: bool, capacity: int):
+        L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
+        self.backend, self.layout, self.shared = backend, layout, shared
+        self.consts = make_consts(layout, backend)
+        self.mirror = backend.upload(table)
+        self.out = backend.device_full((P if shared else L, N, 2, B), SENTINEL)
+        self.row_entry = backend.device_full((N, 2), -1)
+        self.pages = backend.device_full((L, capacity), SENTINEL)
+        self.offsets = backend.device_full(capacity, SENTINEL)
+
+    def run(self, snap: np.ndarray, mode: int, hints=(None, None, None)) -> None:
+        """Copy the snapshot in, apply its deltas, build the step; hints: (entries, values, tokens)."""
+        be = self.backend
+        host = be.pinned_empty(len(snap))
+        host[:] = snap
+        dev = be.device_empty(len(snap))
+        be.copy_h2d(dev, host, len(snap), be.stream)
+        be.apply_deltas(be.stream, dev, self.mirror, self.consts, num_values=hints[1])
+        be.build_step(be.stream, dev, self.mirror, self.out, self.row_entry, self.pages, self.offsets, self.consts,
+                      self.shared, mode, num_entries=hints[0], num_values=hints[1], num_tokens=hints[2])
+        be.synchronize()
+
+    def check(self, case, table: np.ndarray, what: str) -> None:
+        """Tables, padding rows, positions and untouched slack against the reference for `table`."""
+        be, lay = self.backend, self.layout
+        want = expected_tables(lay, case, table, self.shared)
+        out = be.to_numpy(self.out)
+        assert_same(out, want, f"{what} tables", case)
+        assert (out[:, case.num_seqs:] == SENTINEL).all(), f"{what}: rows >= num_seqs were written"
+        want_pages, want_off = expected_positions(lay, case, want, self.shared)
+        t = case.num_tokens
+        pages, offsets = be.to_numpy(self.pages), be.to_numpy(self.offsets)
+        assert_same(pages[:, :t], want_pages, f"{what} write pages", case)
+        assert_same(offsets[:t], want_off, f"{what} write offsets", case)
+        assert (pages[:, t:] == SENTINEL).all() and (offsets[t:] == SENTINEL).all(), f"{what}: tokens past the step"
+
+
+def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None)):
+    """FULL steps (per-layer and shared) and, for batches without contexts, a DELTA step after a FULL one."""
+    for layout, case in cases(rng, spec_name, scenario):
+        P = layout.num_groups
+        capacity = case.num_tokens + 5
+        for shared in (False, True):
+            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+            snap = pack(case, P)
+            bufs.run(snap, MODE_FULL, hint_fn(case))
+            assert np.array_equal(backend.to_numpy(bufs.mirror), apply_runs(case.old, snap, P))
+            assert np.array_equal(backend.to_numpy(bufs.mirror), case.new)
+            bufs.check(case, case.new, f"{backend.name} FULL shared={shared}")
+            entry = backend.to_numpy(bufs.row_entry)
+            assert (entry[case.copy_idx] == np.stack([np.full(case.num_seqs, 42), np.arange(case.num_seqs)], 1)).all()
+            if case.num_contexts:
+                continue
+            # DELTA: the output holds the old table's FULL tables (epoch 42); the deltas bring it to the new one.
+            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+            bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
+            bufs.check(case, case.old, f"{backend.name} FULL (before DELTA) shared={shared}")
+            bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case))
+            bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
+            # A DELTA step of another epoch does not find its rows in the map and writes no table cell.
+            if len(case.cells):
+                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
+                before = backend.to_numpy(bufs.out)
+                bufs.run(pack(case, P, mode=MODE_DELTA, epoch=43), MODE_DELTA, hint_fn(case))
+                assert np.array_equal(backend.to_numpy(bufs.out), before), "a DELTA step of another epoch wrote"
+
+
 # -- host backend (runs everywhere) -------------------------------------------------------------------
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
 def test_host_kernels_match_reference(rng, spec_name, scenario):
-    for layout, case in cases(rng, spec_name, scenario):
-        backend = HostBackend()
-        consts = make_consts(layout, backend)
-        L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
-        mirror = case.old.copy()
-        out = np.full((L, N, 2, B), SENTINEL, np.int32)
-        out_shared = np.full((P, N, 2, B), SENTINEL, np.int32)
-        backend.apply_deltas(backend.stream, case.snap, mirror, consts)
-        backend.convert(backend.stream, case.snap, mirror, out, consts, shared=False)
-        backend.convert(backend.stream, case.snap, mirror, out_shared, consts, shared=True)
-        backend.synchronize()
-        assert np.array_equal(mirror, apply_runs(case.old, case.snap, P))
-        assert np.array_equal(mirror, case.new)
-        want, want_shared = expected_tables(layout, case)
-        assert_same(out, want, "host per_layer", case)
-        assert_same(out_shared, want_shared, "host shared", case)
+    check_backend(HostBackend(), rng, spec_name, scenario)
 
 
 def test_deltas_cover_every_change(rng):
@@ -197,7 +278,7 @@ def test_deltas_cover_every_change(rng):
     layout = make_layout("three_groups")
     for _ in range(20):
         case = make_case(layout, rng, 3, 2)
-        assert np.array_equal(apply_runs(case.old, case.snap, layout.num_groups), case.new)
+        assert np.array_equal(apply_runs(case.old, pack(case, layout.num_groups), layout.num_groups), case.new)
 
 
 # -- CUDA backend -------------------------------------------------------------------------------------
@@ -218,8 +299,10 @@ def cuda_backend():
     return CudaBackend()
 
 
-# grid-size hints: none (grids sized for capacity), exact, and too small (the kernels must grid-stride)
-HINTS = {"none": lambda c: (None, None), "exact": lambda c: (c.num_seqs, c.num_runs), "small": lambda c: (1, 1)}
+# grid-size hints (entries, values, tokens): none (grids sized for capacity, as in a graph), exact, and
+# too small (the kernels must grid-stride)
+HINTS = {"none": lambda c: (None, None, None), "exact": lambda c: (c.num_seqs, len(c.cells), c.num_tokens),
+         "small": lambda c: (1, 1, 1)}
 
 
 @requires_gpu
@@ -227,27 +310,7 @@ HINTS = {"none": lambda c: (None, None), "exact": lambda c: (c.num_seqs, c.num_r
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
 def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints):
-    backend = cuda_backend
-    for layout, case in cases(rng, spec_name, scenario):
-        consts = make_consts(layout, backend)
-        L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
-        num_seqs_hint, num_runs_hint = HINTS[hints](case)
-        snap_host = backend.pinned_empty(len(case.snap))
-        snap_host[:] = case.snap
-        snap = backend.device_empty(len(case.snap))
-        mirror = backend.upload(case.old)
-        out = backend.device_full((L, N, 2, B), SENTINEL)
-        out_shared = backend.device_full((P, N, 2, B), SENTINEL)
-        stream = backend.stream
-        backend.copy_h2d(snap, snap_host, case.words, stream)
-        backend.apply_deltas(stream, snap, mirror, consts, num_runs=num_runs_hint)
-        backend.convert(stream, snap, mirror, out, consts, shared=False, num_seqs=num_seqs_hint)
-        backend.convert(stream, snap, mirror, out_shared, consts, shared=True, num_seqs=num_seqs_hint)
-        backend.synchronize()
-        assert np.array_equal(backend.to_numpy(mirror), apply_runs(case.old, case.snap, P))
-        want, want_shared = expected_tables(layout, case)
-        assert_same(backend.to_numpy(out), want, "cuda per_layer", case)
-        assert_same(backend.to_numpy(out_shared), want_shared, "cuda shared", case)
+    check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints])
 
 
 @requires_gpu

@@ -10,8 +10,7 @@ import pytest
 from cupykv import staging
 
 SOURCE = Path(__file__).resolve().parent.parent / "cupykv" / "kernels" / "pipeline.cu"
-KERNELS = ("cupykv_apply_deltas", "cupykv_convert_per_layer", "cupykv_convert_shared", "cupykv_convert_delta",
-           "cupykv_write_positions", "cupykv_write_kv_u16", "cupykv_write_kv_u32", "cupykv_gate")
+KERNELS = ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_write_kv_u16", "cupykv_write_kv_u32", "cupykv_gate")
 
 
 def _is_missing_library(exc: BaseException) -> bool:

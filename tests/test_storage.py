@@ -131,14 +131,13 @@ def test_write_positions_match_host_model(backend_name, mode):
         assert checked["scratch"] > 0, "the workload never used scratch blocks"
 
 
-# -- the CUDA kernel against the host emulation -------------------------------------------------------
+# -- the CUDA step kernel on corrupt input ----------------------------------------------------------------
 
 def random_step(rng, layout, capacity):
-    """A random valid snapshot (counts and positions only matter here) and a random output table."""
+    """A random valid snapshot (counts and positions only matter here)."""
     spec = layout.spec
     n = int(rng.integers(1, spec.max_batch + 1))
     tokens = rng.integers(0, 12, n)
-    tokens[rng.random(n) < 0.2] = 0                          # entries with no tokens are skipped
     while tokens.sum() > capacity:
         tokens //= 2
     cu = np.concatenate(([0], np.cumsum(tokens))).astype(np.int32)
@@ -151,45 +150,13 @@ def random_step(rng, layout, capacity):
     return buf[:words], int(cu[-1])
 
 
-@pytest.mark.parametrize("table_mode", ["per_layer", "shared"])
-def test_write_positions_kernel_matches_emulation(table_mode):
+def test_step_kernel_survives_corrupt_snapshot():
+    """Garbage counts and rows (as the unsafe staging mode can produce) write inside the buffers and never
+    fault; offsets stay in [0, tpb)."""
     backend_or_skip("cuda")
     import cupy
     from cupykv.backends.cuda import CudaBackend
-    from test_cuda_kernels import make_consts
-    rng = np.random.default_rng(1)
-    spec = CacheSpec(windows=[32, None, 32, 64], num_kv_heads=1, head_dim=8, tokens_per_block=16,
-                     max_seq_len=2000, max_batch=9, slots_per_group=500, table_mode=table_mode,
-                     swa_scratch_reuse=False, max_step_tokens=100)
-    lay = Layout(spec)
-    cuda, host = CudaBackend(), HostBackend()
-    cc, hc = make_consts(lay, cuda), make_consts(lay, host)
-    cc.tokens_per_block = hc.tokens_per_block = lay.tpb
-    shared = table_mode == "shared"
-    planes = lay.num_groups if shared else lay.num_layers
-    cap = spec.max_step_tokens
-    for _ in range(20):
-        snap, ntok = random_step(rng, lay, cap)
-        out = rng.integers(-1, 400, (planes, spec.max_batch, 2, lay.max_blocks)).astype(np.int32)
-        hp = np.full((lay.num_layers, cap), 4242, np.int32)
-        ho = np.full(cap, 4242, np.int32)
-        host.write_positions(host.stream, snap, out, hp, ho, hc, shared, num_tokens=ntok)
-        host.synchronize()
-        with cuda.stream:
-            dsnap, dout = cupy.asarray(snap), cupy.asarray(out)
-            dp, do = cupy.full(hp.shape, 4242, np.int32), cupy.full(ho.shape, 4242, np.int32)
-        for hint in (ntok, None, 1):      # the grid size must not change the result
-            cuda.write_positions(cuda.stream, dsnap, dout, dp, do, cc, shared, num_tokens=hint)
-            cuda.stream.synchronize()
-            assert np.array_equal(cupy.asnumpy(dp), hp)
-            assert np.array_equal(cupy.asnumpy(do), ho)
-
-
-def test_write_positions_kernel_survives_corrupt_snapshot():
-    """Garbage counts (as the unsafe staging mode can produce) write inside the buffers and never fault."""
-    backend_or_skip("cuda")
-    import cupy
-    from cupykv.backends.cuda import CudaBackend
+    from cupykv.staging import H_NUM_SEQS, H_OFF_COPY_IDX, H_OFF_CU_TOKENS, H_OFF_START_POS, MODE_FULL
     from test_cuda_kernels import make_consts
     rng = np.random.default_rng(2)
     spec = CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16, max_seq_len=500,
@@ -197,33 +164,25 @@ def test_write_positions_kernel_survives_corrupt_snapshot():
     lay = Layout(spec)
     cuda = CudaBackend()
     cc = make_consts(lay, cuda)
-    cc.tokens_per_block = lay.tpb
     for _ in range(10):
         snap, _ = random_step(rng, lay, 64)
         h = snap[:16]
-        from cupykv.staging import H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_SEQS
         n = int(h[H_NUM_SEQS])
         snap[h[H_OFF_CU_TOKENS]:h[H_OFF_CU_TOKENS] + n + 1] = rng.integers(-1000, 1000, n + 1)
         snap[h[H_OFF_START_POS]:h[H_OFF_START_POS] + n] = rng.integers(-10 ** 9, 10 ** 9, n)
+        snap[h[H_OFF_COPY_IDX]:h[H_OFF_COPY_IDX] + n] = rng.integers(-10 ** 9, 10 ** 9, n)
         h[H_NUM_SEQS] = int(rng.integers(0, 2 * spec.max_batch))
         with cuda.stream:
             dsnap = cupy.asarray(snap.copy())
             dsnap = cupy.concatenate([dsnap, cupy.zeros(64, np.int32)])   # a too-large num_seqs stays inside
-            dout = cupy.asarray(rng.integers(-1, 100, (2, spec.max_batch, 2, lay.max_blocks)).astype(np.int32))
+            mirror = cupy.asarray(rng.integers(-1, 50, (lay.num_groups, spec.max_batch, lay.max_blocks)).astype(np.int32))
+            out = cupy.zeros((lay.num_layers, spec.max_batch, 2, lay.max_blocks), np.int32)
+            row_entry = cupy.full((spec.max_batch, 2), -1, np.int32)
             dp = cupy.zeros((lay.num_layers, 64), np.int32)
             do = cupy.zeros(64, np.int32)
-        cuda.write_positions(cuda.stream, dsnap, dout, dp, do, cc, False)
+        cuda.build_step(cuda.stream, dsnap, mirror, out, row_entry, dp, do, cc, False, MODE_FULL)
         cuda.stream.synchronize()
         assert ((cupy.asnumpy(do) >= 0) & (cupy.asnumpy(do) < lay.tpb)).all()
-
-
-def test_new_kernels_compile_with_nvrtc():
-    from test_kernel_compile import SOURCE, _compile_ptx
-    import re
-    ptx = _compile_ptx(SOURCE.read_text())
-    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    for name in ("cupykv_write_positions", "cupykv_write_kv_u16", "cupykv_write_kv_u32"):
-        assert name in entries, f"{name} missing from {sorted(entries)}"
 
 
 # -- KVStorage ------------------------------------------------------------------------------------------

@@ -19,20 +19,20 @@ import cupyx
 import numpy as np
 from cupy.cuda import runtime
 
+from ..staging import MODE_DELTA, MODE_FULL
+
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "pipeline.cu"
 KERNEL_OPTIONS = ("-std=c++17",)
 
-# Threads per block of the delta kernel (threads stride over one run's values) and the grid used when
-# the caller gives no run count: a fixed grid keeps launches graph-capturable, and the kernel grid-strides.
-DELTA_THREADS = 128
-DELTA_MAX_BLOCKS = 1024
-DELTA_DEFAULT_BLOCKS = 256
-# Conversion: threads per block along B (each thread writes 4 blocks); grid.y at most this many entries.
-CONVERT_MAX_THREADS = 128
-GRID_Y_MAX = 65535
-# Write positions: threads per block, and the grid cap (the kernel grid-strides over the step's tokens).
-WRITE_POS_THREADS = 256
-WRITE_POS_MAX_BLOCKS = 1024
+# The step kernels (apply_deltas, build_step): threads per block, and grid caps. Every kernel grid-strides
+# and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks of 256 threads
+# per SM of an H200 is enough to keep its memory busy.
+STEP_THREADS = 256
+APPLY_MAX_BLOCKS = 1024
+APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pass
+TABLE_MAX_BLOCKS = 4096
+DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
+POS_MAX_BLOCKS = 1024
 # KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
 WRITE_KV_THREADS = 256
 WRITE_KV_MAX_BLOCKS = 4096
@@ -110,6 +110,24 @@ def _new_gate_words() -> int:
             page = runtime.hostAlloc(GATES_PER_PAGE * 8, runtime.hostAllocMapped | runtime.hostAllocPortable)
             _gate_words.extend(page + 8 * i for i in reversed(range(GATES_PER_PAGE)))
         return _gate_words.pop()
+
+
+def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
+              num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
+    """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
+    entries for max_batch, a fixed DELTA grid, tokens for the capacity."""
+    if mode == MODE_DELTA:
+        hint = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+        table = -(-hint // STEP_THREADS)
+    else:
+        entries = max_batch if num_entries is None else min(max(int(num_entries), 1), max_batch)
+        table = -(-(planes * entries * (max_blocks // 4)) // STEP_THREADS)
+    tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
+    return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-tokens // STEP_THREADS), POS_MAX_BLOCKS)
+
+
+def _address(buf) -> int:
+    return buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data.ptr
 
 
 def _require_device(arr, name: str, align: int = 4) -> None:
@@ -224,81 +242,80 @@ class CudaBackend:
 
     # -- kernels -------------------------------------------------------------------------------
     def apply_deltas(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, consts,
-                     num_runs: Optional[int] = None) -> None:
+                     num_values: Optional[int] = None) -> None:
         """Apply the snapshot's table deltas to the device mirror [P, rows, B].
 
-        num_runs only sizes the grid (the kernel reads the true count from the snapshot); None gives a
-        fixed grid, for graph capture.
+        num_values only sizes the grid (the kernel reads the true count from the snapshot and grid-strides);
+        None gives a fixed grid, for graph capture.
         """
         _require_device(snap, "snap")
         _require_device(mirror, "mirror")
-        blocks = DELTA_DEFAULT_BLOCKS if num_runs is None else min(max(int(num_runs), 1), DELTA_MAX_BLOCKS)
-        self._kernel("cupykv_apply_deltas")((blocks,), (DELTA_THREADS,), (snap, mirror), stream=stream)
+        hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+        blocks = min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
+        self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), (snap, mirror, np.int64(mirror.size)),
+                                            stream=stream)
 
-    def convert(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
-                consts, shared: bool, num_seqs: Optional[int] = None) -> None:
-        """Build the step's page tables into `out` (DESIGN.md section 3).
+    def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
+                   row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
+                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_values: Optional[int] = None,
+                   num_tokens: Optional[int] = None) -> None:
+        """The step's tables and write positions, in one launch after apply_deltas (see cupykv_build_step).
 
-        PER_LAYER: out [L, max_batch, 2, B]; SHARED: out [P, max_batch, 2, B]. Rows s >= num_seqs (from
-        the snapshot) are not touched. num_seqs only sizes the grid; None sizes it for max_batch.
+        out: PER_LAYER [L, max_batch, 2, B] or SHARED [P, max_batch, 2, B]; FULL mode rewrites rows
+        [0, num_seqs) and writes BAD to the padding rows [num_seqs, pad_to), DELTA mode only the changed
+        cells (the header decides). row_entry [rows, 2]: which batch entry each row of the last FULL
+        step's batch was. pages [L, capacity] / offsets [capacity]: where each new token's K/V goes.
+        mode and the counts only size the grid; the kernel reads the truth from the snapshot, so a stale
+        hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
         """
         B, max_batch = int(consts.max_blocks), int(consts.max_batch)
         if B % 4:
-            raise ValueError(f"convert: max_blocks={B} must be a multiple of 4")
+            raise ValueError(f"build_step: max_blocks={B} must be a multiple of 4")
         _require_device(snap, "snap")
         _require_device(mirror, "mirror", align=16)
         _require_device(out, "out", align=16)
-        lead = consts.num_groups if shared else consts.num_layers
-        if out.shape != (lead, max_batch, 2, B):
-            raise ValueError(f"convert: out has shape {out.shape}, expected {(lead, max_batch, 2, B)}")
-        quads = B // 4
-        threads = min(CONVERT_MAX_THREADS, -(-quads // 32) * 32)
-        rows_hint = max_batch if num_seqs is None else int(num_seqs)
-        grid = (-(-quads // threads), min(max(rows_hint, 1), max_batch, GRID_Y_MAX))
-        if shared:
-            args = (snap, mirror, out, consts.d_group_scale, np.int32(consts.num_groups), np.int32(consts.rows),
-                    np.int32(max_batch), np.int32(B))
-            self._kernel("cupykv_convert_shared")(grid, (threads,), args, stream=stream)
-        else:
-            args = (snap, mirror, out, consts.d_layer_group, consts.d_layer_koff, consts.d_group_scale,
-                    np.int32(consts.num_layers), np.int32(consts.rows), np.int32(max_batch), np.int32(B))
-            self._kernel("cupykv_convert_per_layer")(grid, (threads,), args, stream=stream)
-
-    def convert_delta(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray, consts,
-                      shared: bool, num_values: Optional[int] = None) -> None:
-        """DELTA-mode conversion: rewrite only the output cells whose table entry changed (the snapshot's
-        delta runs). The kernel does nothing unless the snapshot's mode is DELTA. num_values only sizes
-        the grid; None gives a fixed grid (graph capture)."""
-        hint = DELTA_DEFAULT_BLOCKS * DELTA_THREADS if num_values is None else max(int(num_values), 1)
-        blocks = min(-(-hint // DELTA_THREADS), DELTA_MAX_BLOCKS)
-        args = (snap, out, consts.d_layer_group, consts.d_layer_koff, consts.d_group_scale,
-                np.int32(consts.num_layers), np.int32(consts.rows), np.int32(consts.max_batch),
-                np.int32(consts.max_blocks), np.int32(1 if shared else 0))
-        self._kernel("cupykv_convert_delta")((blocks,), (DELTA_THREADS,), args, stream=stream)
+        _require_device(row_entry, "row_entry", align=8)
+        _require_device(pages, "pages")
+        _require_device(offsets, "offsets")
+        planes = consts.num_groups if shared else consts.num_layers
+        if out.shape != (planes, max_batch, 2, B):
+            raise ValueError(f"build_step: out has shape {out.shape}, expected {(planes, max_batch, 2, B)}")
+        if row_entry.shape != (consts.rows, 2):
+            raise ValueError(f"build_step: row_entry has shape {row_entry.shape}, expected {(consts.rows, 2)}")
+        if pages.ndim != 2 or pages.shape[0] != consts.num_layers or offsets.shape != (pages.shape[1],):
+            raise ValueError(f"build_step: pages {pages.shape} / offsets {offsets.shape} must be "
+                             f"[{consts.num_layers}, capacity] / [capacity]")
+        tpb = int(consts.tokens_per_block)
+        if tpb <= 0 or tpb & (tpb - 1):
+            raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
+        table_blocks, pos_blocks = step_grid(planes, B, max_batch, int(pages.shape[1]), mode, num_entries,
+                                             num_values, num_tokens)
+        args = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
+                consts.d_group_scale, np.int32(consts.num_layers), np.int32(consts.num_groups),
+                np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
+                np.int32(1 if shared else 0), np.int32(table_blocks))
+        self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
 
     def launch_step_graph(self, stream: cupy.cuda.Stream, slot, mirror: cupy.ndarray, out: cupy.ndarray,
-                          pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool, seqs_bucket: int,
-                          copy_words: int) -> None:
-        """The step's device work as one CUDA graph launch: the copy of the whole snapshot slot, apply
-        deltas, both conversions (each kernel checks the snapshot's mode), write positions.
+                          row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts,
+                          shared: bool, mode: int, seqs_bucket: int, tokens_bucket: int, copy_words: int) -> None:
+        """The step's device work as one CUDA graph launch: the copy of the snapshot slot's first copy_words
+        words, apply_deltas, build_step.
 
-        One graph per (ring slot buffers, batch-size bucket, copy-size bucket), captured on first use; the
-        copy covers the first copy_words words of the slot (a power-of-two bucket of the snapshot size). Every count comes from
-        the snapshot header on the device and every grid is fixed, so a replay is right for any step whose
-        batch fits the bucket. The buffers are fixed for the life of the slot; a slot that grows gets new
-        buffers and so a new graph.
+        One graph per (buffers, mode, batch-size bucket, token bucket, copy-size bucket), captured on first
+        use. Every count comes from the snapshot header on the device and the grids are sized for the
+        buckets, so a replay is right for any step that fits them. A slot that grows gets new buffers and
+        so a new graph.
         """
         # The graph bakes in every buffer address, so all of them are in the key (a backend may serve
         # several managers), and the graph keeps its buffers alive.
-        buffers = (slot.host, slot.dev, mirror, out, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
-                   consts.d_group_scale)
-        key = (slot.host.ctypes.data, slot.dev.data.ptr, mirror.data.ptr, out.data.ptr, pages.data.ptr,
-               offsets.data.ptr, consts.d_layer_group.data.ptr, slot.capacity, int(seqs_bucket),
+        buffers = (slot.host, slot.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
+                   consts.d_layer_koff, consts.d_group_scale)
+        key = (tuple(_address(b) for b in buffers), slot.capacity, int(mode), int(seqs_bucket), int(tokens_bucket),
                int(copy_words), bool(shared))
         graph = self._graphs.get(key)
         if graph is None:
-            for name in ("cupykv_apply_deltas", "cupykv_convert_per_layer", "cupykv_convert_shared",
-                         "cupykv_convert_delta", "cupykv_write_positions"):
+            for name in ("cupykv_apply_deltas", "cupykv_build_step"):
                 self._kernel(name)          # load the module before capturing (loading may not be captured)
             if self._capture_stream is None:
                 self._capture_stream = cupy.cuda.Stream(non_blocking=True)
@@ -306,47 +323,14 @@ class CudaBackend:
             cs.begin_capture()
             try:
                 self.copy_h2d(slot.dev, slot.host, copy_words, cs)
-                self.apply_deltas(cs, slot.dev, mirror, consts, num_runs=None)
-                self.convert(cs, slot.dev, mirror, out, consts, shared, num_seqs=seqs_bucket)
-                self.convert_delta(cs, slot.dev, out, consts, shared, num_values=None)
-                self.write_positions(cs, slot.dev, out, pages, offsets, consts, shared, num_tokens=None)
+                self.apply_deltas(cs, slot.dev, mirror, consts, num_values=None)
+                self.build_step(cs, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode=mode,
+                                num_entries=seqs_bucket, num_values=None, num_tokens=tokens_bucket)
             finally:
                 graph = cs.end_capture()
             self._graphs[key] = graph
             self._graph_buffers[key] = buffers
         graph.launch(stream)
-
-    def write_positions(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, out: cupy.ndarray,
-                        pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
-                        num_tokens: Optional[int] = None) -> None:
-        """Where each new token's K/V goes (same semantics as HostBackend.write_positions).
-
-        pages [L, capacity]: K page index of new token t for layer l (V = K + 1), read from the step's output
-        tables `out` (so scratch tokens land on their scratch pages; SHARED tables get the layer's K offset
-        added); offsets [capacity]: the token's position in its page. Tokens in batch order; the counts come
-        from the snapshot (cu_tokens, start_pos). num_tokens only sizes the grid; None gives a fixed grid
-        sized for the capacity (graph capture).
-        """
-        B, max_batch = int(consts.max_blocks), int(consts.max_batch)
-        _require_device(snap, "snap")
-        _require_device(out, "out")
-        _require_device(pages, "pages")
-        _require_device(offsets, "offsets")
-        lead = consts.num_groups if shared else consts.num_layers
-        if out.shape != (lead, max_batch, 2, B):
-            raise ValueError(f"write_positions: out has shape {out.shape}, expected {(lead, max_batch, 2, B)}")
-        if pages.ndim != 2 or pages.shape[0] != consts.num_layers or offsets.shape != (pages.shape[1],):
-            raise ValueError(f"write_positions: pages {pages.shape} / offsets {offsets.shape} must be "
-                             f"[{consts.num_layers}, capacity] / [capacity]")
-        tpb = int(consts.tokens_per_block)
-        if tpb <= 0 or tpb & (tpb - 1):
-            raise ValueError(f"write_positions: tokens_per_block={tpb} must be a power of two")
-        capacity = int(pages.shape[1])
-        hint = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
-        blocks = min(max(-(-hint // WRITE_POS_THREADS), 1), WRITE_POS_MAX_BLOCKS)
-        args = (snap, out, pages, offsets, consts.d_layer_group, consts.d_layer_koff, np.int32(consts.num_layers),
-                np.int32(max_batch), np.int32(B), np.int32(capacity), np.int32(tpb), np.int32(1 if shared else 0))
-        self._kernel("cupykv_write_positions")((blocks,), (WRITE_POS_THREADS,), args, stream=stream)
 
     def write_kv(self, stream: cupy.cuda.Stream, pages: cupy.ndarray, offsets: cupy.ndarray, k: cupy.ndarray,
                  v: cupy.ndarray, dst: cupy.ndarray, num_tokens: int, tokens_per_block: int,

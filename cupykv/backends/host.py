@@ -13,7 +13,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CupykvError
-from ..staging import MODE_DELTA, unpack_snapshot
+from ..staging import MODE_DELTA, MODE_FULL, unpack_snapshot
 
 BAD = -1
 
@@ -176,7 +176,7 @@ class HostBackend:
 
     # kernels (emulated; the CUDA versions live in cupykv/kernels/pipeline.cu)
     def apply_deltas(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, consts,
-                     num_runs: Optional[int] = None) -> None:
+                     num_values: Optional[int] = None) -> None:
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
             flat = mirror.reshape(-1)
@@ -184,89 +184,119 @@ class HostBackend:
                 flat[start:start + hi - lo] = s["values"][lo:hi]
         stream.enqueue(run)
 
-    def convert(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, out: np.ndarray, consts,
-                shared: bool, num_seqs: Optional[int] = None) -> None:
+    def build_step(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, out: np.ndarray,
+                   row_entry: np.ndarray, pages: np.ndarray, offsets: np.ndarray, consts, shared: bool,
+                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_values: Optional[int] = None,
+                   num_tokens: Optional[int] = None) -> None:
+        """The tables (FULL or DELTA, as the snapshot says) and the write positions, from the mirror after
+        apply_deltas. mode and the counts are grid hints on the GPU and are ignored here."""
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
             if s["mode"] == MODE_DELTA:
-                return
-            n, c = s["num_seqs"], s["num_contexts"]
-            out[:, n:max(n, min(s["pad_to"], out.shape[1]))] = BAD           # padding rows of a fixed batch
-            base = mirror[:, s["copy_idx"], :].astype(np.int64)            # [P, n, B]
-            bad = base == BAD
-            if shared:
-                for r in (0, 1):
-                    v = base * consts.group_scale[:, None, None] + r
-                    out[:, :n, r, :] = np.where(bad, BAD, v)
-                return
-            blocks = np.arange(base.shape[2])
-            for layer in range(consts.num_layers):
-                p = consts.layer_group[layer]
-                scale = int(consts.group_scale[p])
-                for r in (0, 1):
-                    off = int(consts.layer_koff[layer]) + r
-                    vals = np.where(bad[p], BAD, base[p] * scale + off)
-                    if c:
-                        beg, end = s["begs"][p][:, None], s["ends"][p][:, None]
-                        inside = (blocks[None, :] >= beg) & (blocks[None, :] < end)
-                        t = np.where(inside, (blocks[None, :] - beg) * 2, 0)
-                        slot = np.take_along_axis(s["scratch"][p], t // scale, axis=1) if s["scratch_width"] \
-                            else np.zeros_like(t)
-                        vals[:c] = np.where(inside, slot * scale + (t % scale + off) % scale, vals[:c])
-                    out[layer, :n, r, :] = vals
+                _delta_tables(s, out, row_entry, consts, shared)
+            else:
+                _full_tables(s, mirror, out, row_entry, consts, shared)
+            _write_positions(s, mirror, pages, offsets, consts, shared)
         stream.enqueue(run)
 
-    def convert_delta(self, stream: SimStream, snap: np.ndarray, out: np.ndarray, consts, shared: bool,
-                      num_values: Optional[int] = None) -> None:
-        """DELTA mode: rewrite the output cells of the changed table cells that belong to the batch."""
-        def run():
-            s = unpack_snapshot(snap, consts.num_groups)
-            if s["mode"] != MODE_DELTA:
-                return
-            B, rows = consts.max_blocks, consts.rows
-            lengths = np.diff(s["run_voff"])
-            cells = np.repeat(s["run_start"], lengths) + (np.arange(len(s["values"])) -
-                                                          np.repeat(s["run_voff"][:-1], lengths))
-            entry = {int(r): k for k, r in enumerate(s["copy_idx"])}
-            for cell, base in zip(cells.tolist(), s["values"].tolist()):
-                p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
-                if row not in entry:
-                    continue
-                k, scale = entry[row], int(consts.group_scale[p])
-                planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
-                                                   if consts.layer_group[l] == p]
-                for plane, off in planes:
-                    for r in (0, 1):
-                        out[plane, k, r, b] = BAD if base == BAD else base * scale + off + r
-        stream.enqueue(run)
-
-    def launch_step_graph(self, stream: SimStream, slot, mirror, out, pages, offsets, consts, shared: bool,
-                          seqs_bucket: int, copy_words: int) -> None:
+    def launch_step_graph(self, stream: SimStream, slot, mirror, out, row_entry, pages, offsets, consts,
+                          shared: bool, mode: int, seqs_bucket: int, tokens_bucket: int, copy_words: int) -> None:
         """What the CUDA backend captures as a graph, enqueued op by op: the copy of the slot's first
-        copy_words words, then every kernel, each reading its counts from the snapshot header."""
+        copy_words words, then both kernels, each reading its counts from the snapshot header."""
         self.copy_h2d(slot.dev, slot.host, copy_words, stream)
         self.apply_deltas(stream, slot.dev, mirror, consts)
-        self.convert(stream, slot.dev, mirror, out, consts, shared)
-        self.convert_delta(stream, slot.dev, out, consts, shared)
-        self.write_positions(stream, slot.dev, out, pages, offsets, consts, shared)
+        self.build_step(stream, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode)
 
-    def write_positions(self, stream: SimStream, snap: np.ndarray, out: np.ndarray, pages: np.ndarray,
-                        offsets: np.ndarray, consts, shared: bool, num_tokens: Optional[int] = None) -> None:
-        """pages[l, t]: K page index of new token t for layer l (V = K + 1); offsets[t]: its slot in the page.
-        Read from the step's output tables, so scratch tokens land on their scratch pages."""
-        def run():
-            s = unpack_snapshot(snap, consts.num_groups)
-            cu = s["cu_tokens"]
-            # clamped like the CUDA kernel, so a corrupt snapshot (unsafe mode) gives garbage, not a crash
-            seq = np.repeat(np.arange(s["num_seqs"]), np.maximum(np.diff(cu), 0))[:offsets.size]
-            n = len(seq)
-            pos = s["start_pos"][seq] + (np.arange(n) - cu[seq] + cu[0])
-            block = np.clip(pos // consts.tokens_per_block, 0, out.shape[3] - 1)
-            offsets[:n] = pos % consts.tokens_per_block
-            for layer in range(consts.num_layers):
-                if shared:
-                    k = out[consts.layer_group[layer], seq, 0, block]
-                    pages[layer, :n] = np.where(k == BAD, BAD, k + consts.layer_koff[layer])
-                else:
-                    pages[layer, :n] = out[layer, seq, 0, block]
-        stream.enqueue(run)
+
+
+# -- the step kernel's parts, emulated (cupykv_build_step in pipeline.cu) -------------------------------
+
+
+def _entries(base, blocks, beg, end, slots, scale: int, off: int):
+    """per_layer_entry of pipeline.cu, vectorized (arrays broadcast; slots [..., M] or None for no scratch):
+    blocks in [beg, end) map onto the context's scratch slots, the rest onto their own slot, BAD stays BAD."""
+    vals = np.where(base == BAD, BAD, base * scale + off)
+    inside = (blocks >= beg) & (blocks < end)
+    if inside.any():
+        t = np.where(inside, (blocks - beg) * 2, 0)
+        slot = np.take_along_axis(slots, t // scale, axis=-1) if slots is not None else 0
+        vals = np.where(inside, slot * scale + (t % scale + off) % scale, vals)
+    return vals
+
+
+def _context_scratch(s: dict, p: int, n: int):
+    """beg, end [n] and slots [n, M] (None without scratch columns) of group p; zeros past the contexts."""
+    c, m = s["num_contexts"], s["scratch_width"]
+    beg, end = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    beg[:min(c, n)], end[:min(c, n)] = s["begs"][p][:n], s["ends"][p][:n]
+    slots = None
+    if m:
+        slots = np.zeros((n, m), np.int64)
+        slots[:min(c, n)] = s["scratch"][p][:n]
+    return beg, end, slots
+
+
+def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
+    max_batch, rows = out.shape[1], mirror.shape[1]
+    n = max(0, min(s["num_seqs"], max_batch))
+    out[:, n:max(n, min(s["pad_to"], max_batch))] = BAD           # padding rows of a fixed batch
+    batch_rows = np.clip(s["copy_idx"][:n], 0, rows - 1)
+    row_entry[batch_rows] = np.stack([np.full(n, s["epoch"]), np.arange(n)], axis=1)
+    base = mirror[:, batch_rows, :].astype(np.int64)                 # [P, n, B]
+    if shared:
+        for r in (0, 1):
+            out[:, :n, r, :] = np.where(base == BAD, BAD, base * consts.group_scale[:, None, None] + r)
+        return
+    blocks = np.arange(base.shape[2])[None, :]
+    scratch = [_context_scratch(s, p, n) for p in range(consts.num_groups)]
+    for layer in range(consts.num_layers):
+        p = int(consts.layer_group[layer])
+        beg, end, slots = scratch[p]
+        for r in (0, 1):
+            out[layer, :n, r, :] = _entries(base[p], blocks, beg[:, None], end[:, None], slots,
+                                            int(consts.group_scale[p]), int(consts.layer_koff[layer]) + r)
+
+
+def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
+    """Only the changed cells of rows in the batch of the FULL step named by the header's epoch."""
+    B, rows, max_batch = consts.max_blocks, consts.rows, out.shape[1]
+    n = max(0, min(s["num_seqs"], max_batch))
+    lengths = np.diff(s["run_voff"])
+    cells = np.repeat(s["run_start"], lengths) + (np.arange(len(s["values"])) - np.repeat(s["run_voff"][:-1], lengths))
+    for cell, base in zip(cells.tolist(), s["values"].tolist()):
+        p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
+        epoch, k = row_entry[row]
+        if p >= consts.num_groups or epoch != s["epoch"] or not 0 <= k < n:
+            continue
+        scale = int(consts.group_scale[p])
+        planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
+                                           if consts.layer_group[l] == p]
+        for plane, off in planes:
+            for r in (0, 1):
+                out[plane, k, r, b] = BAD if base == BAD else base * scale + off + r
+
+
+def _write_positions(s: dict, mirror, pages, offsets, consts, shared: bool) -> None:
+    """pages[l, t]: K page index of new token t for layer l (V = K + 1); offsets[t]: its place in the page.
+    Same rules as the tables, from the mirror; clamped like the kernel, so a corrupt snapshot (unsafe
+    staging) gives garbage, not a crash."""
+    rows, B = mirror.shape[1], mirror.shape[2]
+    n = max(0, min(s["num_seqs"], consts.max_batch))
+    cu = s["cu_tokens"][:n + 1]
+    seq = np.repeat(np.arange(n), np.maximum(np.diff(cu), 0))[:offsets.size]
+    t = len(seq)
+    pos = s["start_pos"][seq] + (np.arange(t) - cu[seq] + cu[0])
+    block = np.clip(pos // consts.tokens_per_block, 0, B - 1)
+    offsets[:t] = pos % consts.tokens_per_block
+    row = np.clip(s["copy_idx"][seq], 0, rows - 1)
+    for layer in range(consts.num_layers):
+        p = int(consts.layer_group[layer])
+        base = mirror[p, row, block].astype(np.int64)
+        scale, off = int(consts.group_scale[p]), int(consts.layer_koff[layer])
+        if shared:
+            pages[layer, :t] = np.where(base == BAD, BAD, base * scale + off)
+        else:
+            beg, end, slots = _context_scratch(s, p, n)
+            # one token per row: a trailing axis of one block, so _entries' scratch lookup lines up
+            pages[layer, :t] = _entries(base[:, None], block[:, None], beg[seq][:, None], end[seq][:, None],
+                                        None if slots is None else slots[seq], scale, off)[:, 0]

@@ -27,9 +27,11 @@ constexpr int H_OFF_START_POS = 14;
 constexpr int H_NUM_TOKENS = 15;
 constexpr int H_MODE = 16;
 constexpr int H_PAD_TO = 17;
+constexpr int H_EPOCH = 18;
 
 // H_MODE: how the step's conversion runs. FULL rewrites the batch's rows; DELTA (the batch is the previous
 // step's, row for row, and neither step has contexts) rewrites only the cells whose table entry changed.
+// H_EPOCH: the id of the FULL step whose batch this is (a FULL step's own id).
 constexpr int MODE_FULL = 0;
 constexpr int MODE_DELTA = 1;
 
@@ -43,23 +45,44 @@ __device__ __forceinline__ int page_index(int slot, int scale, int offset)
                             static_cast<unsigned>(offset));
 }
 
-// Apply the step's table deltas (runs of consecutive cells) to the mirror [P, rows, B].
-// One block per run (grid-stride, so any fixed grid covers any number of runs); threads stride over the
-// run's values, so a long run (a new request's whole row) is still written coalesced.
-extern "C" __global__ void cupykv_apply_deltas(const int* __restrict__ snap, int* __restrict__ mirror)
+// The run r with run_voff[r] <= i < run_voff[r + 1] (run_voff is increasing, run_voff[0] = 0).
+__device__ __forceinline__ int find_run(const int* __restrict__ run_voff, int num_runs, int i)
+{
+    int lo = 0, hi = num_runs;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (run_voff[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+// Apply the step's table deltas to the mirror [P, rows, B]: one thread per changed cell (grid-stride, so
+// any fixed grid covers any number of cells). Runs are mostly one or two cells long in decode steps, so a
+// thread per cell keeps every lane busy where a block per run would leave most of them idle.
+extern "C" __global__ void cupykv_apply_deltas(const int* __restrict__ snap, int* __restrict__ mirror,
+                                               long long mirror_size)
 {
     const int num_runs = snap[H_NUM_RUNS];
+    const int num_values = snap[H_NUM_VALUES];
     const int* run_start = snap + snap[H_OFF_RUN_START];
     const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
     const int* values = snap + snap[H_OFF_VALUES];
 
-    for (int r = blockIdx.x; r < num_runs; r += gridDim.x) {
-        const int lo = run_voff[r];
-        const int n = run_voff[r + 1] - lo;
-        int* dst = mirror + static_cast<long long>(run_start[r]);
-        for (int i = threadIdx.x; i < n; i += blockDim.x)
-            dst[i] = values[lo + i];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_values; i += gridDim.x * blockDim.x) {
+        const int r = find_run(run_voff, num_runs, i);
+        const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
+        if (0 <= cell && cell < mirror_size)
+            mirror[cell] = values[i];
     }
+}
+
+// base * scale + offset, BAD for BAD: the page of a block that has its own slot.
+__device__ __forceinline__ int slot_entry(int base, int scale, int offset)
+{
+    return base == BAD ? BAD : page_index(base, scale, offset);
 }
 
 // Page index of block b for one layer and role (DESIGN.md section 3). Blocks outside [beg, end) use the
@@ -76,198 +99,168 @@ __device__ __forceinline__ int per_layer_entry(int base, int b, int beg, int end
         const int slot = slots ? slots[t / scale] : 0;
         return page_index(slot, scale, (t % scale + offset) % scale);
     }
-    return base == BAD ? BAD : page_index(base, scale, offset);
+    return slot_entry(base, scale, offset);
 }
 
-// out[L, max_batch, 2, B] from the mirror [P, rows, B].
-// Grid: x covers B in quads (4 blocks per thread, int4 loads and stores; B is a multiple of 4 and the
-// buffers are 16-byte aligned), y strides over batch entries. Entries s >= num_seqs are never written, so
-// a grid sized for max_batch is correct for any step, and the consumer's padding rows keep their values.
-extern "C" __global__ void cupykv_convert_per_layer(const int* __restrict__ snap, const int* __restrict__ mirror,
-                                                    int* __restrict__ out, const int* __restrict__ layer_group,
-                                                    const int* __restrict__ layer_koff,
-                                                    const int* __restrict__ group_scale, int num_layers, int rows,
-                                                    int max_batch, int B)
+// What one step kernel needs, read once from the launch arguments and the snapshot header.
+struct StepArgs {
+    const int* snap;
+    const int* mirror;        // [P, rows, B], deltas already applied
+    int* out;                 // [planes, max_batch, 2, B]; planes = L (PER_LAYER) or P (shared)
+    int2* row_entry;          // [rows]: (epoch, batch entry) of each row in the last FULL step's batch
+    int* pages;               // [L, capacity]
+    int* offsets;             // [capacity]
+    const int* layer_group;
+    const int* layer_koff;
+    const int* group_scale;
+    int num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared;
+};
+
+// The context scratch range and slots of batch entry s in group p (an empty range for generation entries).
+struct Scratch {
+    int beg = 0, end = 0;
+    const int* slots = nullptr;
+};
+
+__device__ __forceinline__ Scratch scratch_of(const int* snap, int p, int s)
 {
-    const int b0 = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (b0 >= B || snap[H_MODE] == MODE_DELTA)
-        return;
-    // The output has max_batch rows whatever the header says; never write past it.
-    const int num_seqs = min(snap[H_NUM_SEQS], max_batch);
+    Scratch sc;
     const int num_contexts = snap[H_NUM_CONTEXTS];
-    const int width = snap[H_SCRATCH_WIDTH];
-    const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
-    const int* begs = snap + snap[H_OFF_BEGS];
-    const int* ends = snap + snap[H_OFF_ENDS];
-    const int* scratch = snap + snap[H_OFF_SCRATCH];
-
-    for (int s = blockIdx.y; s < num_seqs; s += gridDim.y) {
-        const int row = copy_idx[s];
-        const bool is_context = s < num_contexts;
-        for (int l = 0; l < num_layers; ++l) {
-            const int p = layer_group[l];
-            const int scale = group_scale[p];
-            // Layers of one group re-read the same mirror quad; it is 16 bytes and stays in L1/L2, which
-            // is cheaper than holding a per-group copy in registers for an unknown number of groups.
-            const int4 base = *reinterpret_cast<const int4*>(
-                mirror + (static_cast<long long>(p) * rows + row) * B + b0);
-            int beg = 0, end = 0;
-            const int* slots = nullptr;
-            if (is_context) {
-                const int ps = p * num_contexts + s;
-                beg = begs[ps];
-                end = ends[ps];
-                if (width > 0)
-                    slots = scratch + static_cast<long long>(ps) * width;
-            }
-            for (int role = 0; role < 2; ++role) {
-                const int offset = layer_koff[l] + role;
-                int4 v;
-                v.x = per_layer_entry(base.x, b0 + 0, beg, end, slots, scale, offset);
-                v.y = per_layer_entry(base.y, b0 + 1, beg, end, slots, scale, offset);
-                v.z = per_layer_entry(base.z, b0 + 2, beg, end, slots, scale, offset);
-                v.w = per_layer_entry(base.w, b0 + 3, beg, end, slots, scale, offset);
-                // 64-bit: L * max_batch * 2 * B exceeds 2^31 words for large models at long context.
-                const long long o = ((static_cast<long long>(l) * max_batch + s) * 2 + role) * B + b0;
-                *reinterpret_cast<int4*>(out + o) = v;
-            }
-        }
+    if (s < num_contexts) {
+        const int ps = p * num_contexts + s;
+        sc.beg = snap[snap[H_OFF_BEGS] + ps];
+        sc.end = snap[snap[H_OFF_ENDS] + ps];
+        const int width = snap[H_SCRATCH_WIDTH];
+        if (width > 0)
+            sc.slots = snap + snap[H_OFF_SCRATCH] + static_cast<long long>(ps) * width;
     }
-    // Padding rows [num_seqs, pad_to) of a fixed-size (captured) consumer batch read BAD.
-    const int pad_to = min(snap[H_PAD_TO], max_batch);
-    const int4 bad = make_int4(BAD, BAD, BAD, BAD);
-    for (int s = num_seqs + blockIdx.y; s < pad_to; s += gridDim.y)
-        for (int l = 0; l < num_layers; ++l)
-            for (int role = 0; role < 2; ++role)
-                *reinterpret_cast<int4*>(out + ((static_cast<long long>(l) * max_batch + s) * 2 + role) * B + b0) = bad;
+    return sc;
 }
 
-__device__ __forceinline__ int shared_entry(int base, int scale, int role)
+__device__ __forceinline__ int clamp_row(int row, int rows)
 {
-    return base == BAD ? BAD : page_index(base, scale, role);
+    return min(max(row, 0), rows - 1);   // a corrupt snapshot (unsafe staging) stays inside the buffers
 }
 
-// out[P, max_batch, 2, B]: one table per group; K = base * scale, V = K + 1 (the consumer adds each
-// layer's offset through its base pointer). Same grid and row rules as cupykv_convert_per_layer.
-extern "C" __global__ void cupykv_convert_shared(const int* __restrict__ snap, const int* __restrict__ mirror,
-                                                 int* __restrict__ out, const int* __restrict__ group_scale,
-                                                 int num_groups, int rows, int max_batch, int B)
+// FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and BAD for the
+// padding rows [num_seqs, pad_to). Work items are (plane, entry, quad of 4 blocks) in output order, so
+// consecutive threads write consecutive 16-byte words: the write pattern of a memset. Each item is one
+// 16-byte mirror load (L2-resident: the mirror is small next to the output) and two 16-byte stores.
+// Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
+// Index is int when the item count fits (64-bit division costs several times more), else long long.
+template <typename Index>
+__device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_plane, Index total)
 {
-    const int b0 = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (b0 >= B || snap[H_MODE] == MODE_DELTA)
-        return;
-    const int num_seqs = min(snap[H_NUM_SEQS], max_batch);
+    const int* snap = a.snap;
+    const int quads = a.B / 4;
+    const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
+    const int epoch = snap[H_EPOCH];
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
+    const Index stride = static_cast<Index>(nblocks) * blockDim.x;
 
-    for (int s = blockIdx.y; s < num_seqs; s += gridDim.y) {
-        const int row = copy_idx[s];
-        for (int p = 0; p < num_groups; ++p) {
-            const int scale = group_scale[p];
-            const int4 base = *reinterpret_cast<const int4*>(
-                mirror + (static_cast<long long>(p) * rows + row) * B + b0);
-            for (int role = 0; role < 2; ++role) {
-                int4 v;
-                v.x = shared_entry(base.x, scale, role);
-                v.y = shared_entry(base.y, scale, role);
-                v.z = shared_entry(base.z, scale, role);
-                v.w = shared_entry(base.w, scale, role);
-                const long long o = ((static_cast<long long>(p) * max_batch + s) * 2 + role) * B + b0;
-                *reinterpret_cast<int4*>(out + o) = v;
-            }
+    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += stride) {
+        const int plane = static_cast<int>(k / per_plane);
+        const Index q = k - plane * per_plane;
+        const int s = static_cast<int>(q / quads);
+        const int b0 = static_cast<int>(q - static_cast<Index>(s) * quads) * 4;
+        int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b0;
+        if (s >= num_seqs) {     // padding row of a fixed-size consumer batch
+            const int4 bad = make_int4(BAD, BAD, BAD, BAD);
+            *reinterpret_cast<int4*>(dst) = bad;
+            *reinterpret_cast<int4*>(dst + a.B) = bad;
+            continue;
         }
+        const int row = clamp_row(copy_idx[s], a.rows);
+        if (plane == 0 && b0 == 0)
+            a.row_entry[row] = make_int2(epoch, s);
+        const int p = a.shared ? plane : a.layer_group[plane];
+        const int scale = a.group_scale[p];
+        const int4 base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(p) * a.rows + row) * a.B + b0);
+        int4 kq, vq;
+        if (a.shared) {          // K = base * scale, V = K + 1; the consumer adds the layer's offset
+            kq = make_int4(slot_entry(base.x, scale, 0), slot_entry(base.y, scale, 0), slot_entry(base.z, scale, 0),
+                           slot_entry(base.w, scale, 0));
+            vq = make_int4(slot_entry(base.x, scale, 1), slot_entry(base.y, scale, 1), slot_entry(base.z, scale, 1),
+                           slot_entry(base.w, scale, 1));
+        } else {
+            const Scratch sc = scratch_of(snap, p, s);
+            const int off = a.layer_koff[plane];
+            kq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
+                           per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
+                           per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
+                           per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
+            vq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
+                           per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
+                           per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
+                           per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
+        }
+        *reinterpret_cast<int4*>(dst) = kq;
+        *reinterpret_cast<int4*>(dst + a.B) = vq;
     }
-    const int pad_to = min(snap[H_PAD_TO], max_batch);
-    const int4 bad = make_int4(BAD, BAD, BAD, BAD);
-    for (int s = num_seqs + blockIdx.y; s < pad_to; s += gridDim.y)
-        for (int p = 0; p < num_groups; ++p)
-            for (int role = 0; role < 2; ++role)
-                *reinterpret_cast<int4*>(out + ((static_cast<long long>(p) * max_batch + s) * 2 + role) * B + b0) = bad;
 }
 
-// DELTA mode: the batch is the previous step's, row for row, and the output already holds the previous
-// step's tables, so only the cells of the table that changed since then (the snapshot's delta runs) need
-// rewriting. One thread per changed cell; it finds its run by binary search, its batch entry by a scan of
-// copy_idx (cells of rows outside the batch are skipped), and writes that block's entry for every layer
-// of the cell's group (PER_LAYER) or for the group (shared != 0). A few dozen cells per decode step
-// instead of the whole live output: microseconds instead of the memset floor.
-extern "C" __global__ void cupykv_convert_delta(const int* __restrict__ snap, int* __restrict__ out,
-                                                const int* __restrict__ layer_group,
-                                                const int* __restrict__ layer_koff,
-                                                const int* __restrict__ group_scale, int num_layers, int rows,
-                                                int max_batch, int B, int shared)
+// DELTA mode: the batch is the last FULL step's (the header's epoch names it), row for row, and the output
+// already holds its tables, so only the cells whose table entry changed (the snapshot's deltas) are
+// rewritten. One thread per changed cell: its batch entry comes from row_entry, written by that FULL step;
+// cells of rows outside the batch (an entry from another epoch) are skipped. A few dozen cells per decode
+// step instead of the whole live output.
+__device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
-    if (snap[H_MODE] != MODE_DELTA)
-        return;
+    const int* snap = a.snap;
     const int num_runs = snap[H_NUM_RUNS];
     const int num_values = snap[H_NUM_VALUES];
-    const int num_seqs = min(snap[H_NUM_SEQS], max_batch);
-    const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
+    const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
+    const int epoch = snap[H_EPOCH];
     const int* run_start = snap + snap[H_OFF_RUN_START];
     const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
     const int* values = snap + snap[H_OFF_VALUES];
-    const long long plane = static_cast<long long>(rows) * B;
+    const long long plane_cells = static_cast<long long>(a.rows) * a.B;
 
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_values; i += gridDim.x * blockDim.x) {
-        int lo = 0, hi = num_runs;               // the run r with run_voff[r] <= i < run_voff[r + 1]
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (run_voff[mid] <= i)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        const long long cell = static_cast<long long>(run_start[lo]) + (i - run_voff[lo]);
-        const int p = static_cast<int>(cell / plane);
-        const int row = static_cast<int>((cell % plane) / B);
-        const int b = static_cast<int>(cell % B);
-        int s = 0;
-        while (s < num_seqs && copy_idx[s] != row)
-            ++s;
-        if (s == num_seqs)
+    for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
+        const int r = find_run(run_voff, num_runs, i);
+        const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
+        const int p = static_cast<int>(cell / plane_cells);
+        const int row = static_cast<int>((cell % plane_cells) / a.B);
+        const int b = static_cast<int>(cell % a.B);
+        if (cell < 0 || p >= a.num_groups)
             continue;
+        const int2 e = a.row_entry[row];
+        if (e.x != epoch || e.y < 0 || e.y >= num_seqs)
+            continue;
+        const int s = e.y;
         const int base = values[i];
-        const int scale = group_scale[p];
-        if (shared) {
-            for (int role = 0; role < 2; ++role)
-                out[((static_cast<long long>(p) * max_batch + s) * 2 + role) * B + b] = shared_entry(base, scale, role);
-            continue;
-        }
-        for (int l = 0; l < num_layers; ++l) {
-            if (layer_group[l] != p)
+        const int scale = a.group_scale[p];
+        for (int l = 0; l < (a.shared ? 1 : a.num_layers); ++l) {
+            if (!a.shared && a.layer_group[l] != p)
                 continue;
-            for (int role = 0; role < 2; ++role) {
-                const long long o = ((static_cast<long long>(l) * max_batch + s) * 2 + role) * B + b;
-                out[o] = base == BAD ? BAD : page_index(base, scale, layer_koff[l] + role);
-            }
+            const int plane = a.shared ? p : l;
+            const int off = a.shared ? 0 : a.layer_koff[l];
+            int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b;
+            dst[0] = slot_entry(base, scale, off);
+            dst[a.B] = slot_entry(base, scale, off + 1);
         }
     }
 }
 
-// Where each new token of the step goes (HostBackend.write_positions is the reference):
-// pages[l, t] = the K page index of new token t for layer l (V = K + 1), read from the step's output tables,
-// so tokens of scratch blocks land on their scratch pages; offsets[t] = its position inside the page.
-// t runs over the step's new tokens in batch order: entry s owns [cu_tokens[s], cu_tokens[s+1]) and its
-// first new token is at sequence position start_pos[s]. Counts come from the snapshot header; a fixed grid
-// covers any step (grid-stride over tokens). Everything is clamped like the host emulation, so a corrupt
-// snapshot (unsafe staging) writes garbage inside the buffers, never outside them: entries at most
-// max_batch, tokens at most `capacity`, blocks in [0, B). Tokens >= the step's count are not touched.
-// shared: out is [P, max_batch, 2, B] (K = slot * scale) and the layer's K offset is added here;
-// otherwise out is [L, max_batch, 2, B].
-extern "C" __global__ void cupykv_write_positions(const int* __restrict__ snap, const int* __restrict__ out,
-                                                  int* __restrict__ pages, int* __restrict__ offsets,
-                                                  const int* __restrict__ layer_group,
-                                                  const int* __restrict__ layer_koff, int num_layers,
-                                                  int max_batch, int B, int capacity, int tpb, int shared)
+// Where each new token of the step goes: pages[l, t] = the K page index of new token t for layer l (V = K + 1),
+// offsets[t] = its position inside the page. Computed from the mirror with the same rules as the tables
+// (scratch blocks of contexts land on their scratch pages; shared tables get the layer's K offset added), so
+// it does not wait for the table writes. t runs over the step's new tokens in batch order: entry s owns
+// [cu_tokens[s], cu_tokens[s+1]) and its first new token is at sequence position start_pos[s]. Everything is
+// clamped, so a corrupt snapshot (unsafe staging) writes garbage inside the buffers, never outside them.
+__device__ void write_positions(const StepArgs& a, int block, int nblocks)
 {
-    const int num_seqs = max(0, min(snap[H_NUM_SEQS], max_batch));
+    const int* snap = a.snap;
+    const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
+    const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const int* cu = snap + snap[H_OFF_CU_TOKENS];
     const int* start_pos = snap + snap[H_OFF_START_POS];
     const long long cu0 = cu[0];
     const long long total = min(max(static_cast<long long>(cu[num_seqs]) - cu0, 0LL),
-                                static_cast<long long>(capacity));
-    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+                                static_cast<long long>(a.capacity));
+    const long long stride = static_cast<long long>(nblocks) * blockDim.x;
 
-    for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += stride) {
+    for (long long t = static_cast<long long>(block) * blockDim.x + threadIdx.x; t < total; t += stride) {
         // The entry that owns token t: the first s with cu[s + 1] - cu[0] > t (entries with no tokens are
         // skipped). With cu_tokens non-decreasing this is exact; otherwise it is some s, still in range.
         const long long target = cu0 + t;
@@ -282,19 +275,61 @@ extern "C" __global__ void cupykv_write_positions(const int* __restrict__ snap, 
         if (lo >= num_seqs)
             continue;
         const int s = lo;
+        const int row = clamp_row(copy_idx[s], a.rows);
         const long long pos = static_cast<long long>(start_pos[s]) + (target - cu[s]);
-        long long block = pos < 0 ? 0 : pos / tpb;
-        if (block > B - 1)
-            block = B - 1;
-        offsets[t] = static_cast<int>(pos & static_cast<long long>(tpb - 1));   // pos mod tpb, tpb = 2^k
-        for (int l = 0; l < num_layers; ++l) {
-            const int plane = shared ? layer_group[l] : l;
-            const int k = out[((static_cast<long long>(plane) * max_batch + s) * 2) * B + block];   // role K
-            int page = k;
-            if (shared && k != BAD)
-                page = static_cast<int>(static_cast<unsigned>(k) + static_cast<unsigned>(layer_koff[l]));
-            pages[static_cast<long long>(l) * capacity + t] = page;
+        const int block_of = static_cast<int>(min(max(pos, 0LL) / a.tpb, static_cast<long long>(a.B - 1)));
+        a.offsets[t] = static_cast<int>(pos & static_cast<long long>(a.tpb - 1));   // pos mod tpb, tpb = 2^k
+#pragma unroll 4
+        for (int l = 0; l < a.num_layers; ++l) {
+            const int p = a.layer_group[l];
+            const int scale = a.group_scale[p];
+            // Layers of one group read the same mirror cell: after the first, an L1 hit.
+            const int base = a.mirror[(static_cast<long long>(p) * a.rows + row) * a.B + block_of];
+            const int off = a.layer_koff[l];
+            int page;
+            if (a.shared) {
+                page = slot_entry(base, scale, off);
+            } else {
+                const Scratch sc = scratch_of(snap, p, s);
+                page = per_layer_entry(base, block_of, sc.beg, sc.end, sc.slots, scale, off);
+            }
+            a.pages[static_cast<long long>(l) * a.capacity + t] = page;
         }
+    }
+}
+
+// The step's tables and write positions in one launch, after cupykv_apply_deltas. Blocks [0, table_blocks)
+// build the tables (FULL or DELTA, as the header says); the rest write the positions. Both parts read only the
+// mirror and the snapshot, so they need no ordering between them. Every part grid-strides and reads its counts
+// from the header, so any grid is correct; the host sizes it for the step (or for a graph's bucket).
+extern "C" __global__ void cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror,
+                                             int* __restrict__ out, int2* __restrict__ row_entry,
+                                             int* __restrict__ pages, int* __restrict__ offsets,
+                                             const int* __restrict__ layer_group,
+                                             const int* __restrict__ layer_koff,
+                                             const int* __restrict__ group_scale, int num_layers, int num_groups,
+                                             int rows, int max_batch, int B, int capacity, int tpb, int shared,
+                                             int table_blocks)
+{
+    const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
+                     num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+    const int block = static_cast<int>(blockIdx.x);
+    if (block < table_blocks) {
+        if (snap[H_MODE] == MODE_DELTA) {
+            delta_tables(a, block, table_blocks);
+            return;
+        }
+        const int planes = shared ? num_groups : num_layers;
+        const int num_seqs = max(0, min(snap[H_NUM_SEQS], max_batch));
+        const int live = max(num_seqs, min(snap[H_PAD_TO], max_batch));   // padding rows are written too
+        const long long per_plane = static_cast<long long>(live) * (B / 4);
+        const long long total = per_plane * planes;
+        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last stride step without overflow
+            full_tables<int>(a, block, table_blocks, static_cast<int>(per_plane), static_cast<int>(total));
+        else
+            full_tables<long long>(a, block, table_blocks, per_plane, total);
+    } else {
+        write_positions(a, block - table_blocks, static_cast<int>(gridDim.x) - table_blocks);
     }
 }
 
