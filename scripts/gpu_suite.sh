@@ -39,8 +39,15 @@ for part in $parts; do
           python3 scripts/kernel_breakdown.py --summarize /tmp/ncu.csv >>"$OUT/breakdown.log" 2>&1
       done
       cat "$OUT/breakdown.log" ;;
-    examples) for ex in examples/*.py; do run "example_$(basename "$ex" .py)" timeout 120 python3 "$ex"; done ;;
-    bench) run bench timeout 300 python3 -m cupykv.bench --out "$OUT" ${BENCH_ARGS:-} ;;
+    examples)   # one log for all (the device tool returns at most 8 files)
+      for ex in examples/*.py; do
+        echo "== $ex" >>"$OUT/examples.log"
+        timeout 120 python3 "$ex" >>"$OUT/examples.log" 2>&1; r=$?
+        tail -n 1 "$OUT/examples.log"; echo "== $ex rc=$r"; [ $r -eq 0 ] || rc=1
+      done ;;
+    bench)   # bench.md and bench.json come back; the plot is made from bench.json where matplotlib is
+      run bench timeout ${BENCH_TIMEOUT:-300} python3 -m cupykv.bench --out /tmp/bench_out --no-plot ${BENCH_ARGS:-}
+      cp /tmp/bench_out/bench.md /tmp/bench_out/bench.json "$OUT"/ 2>/dev/null ;;
     profile) run profile timeout 60 python3 scripts/profile_host.py 256 ;;
   esac
 done

@@ -33,6 +33,7 @@ APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pas
 TABLE_MAX_BLOCKS = 4096
 DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
 POS_MAX_BLOCKS = 1024
+STEP_ARGS_CACHE = 64             # validated build_step argument sets kept (one per ring slot in use)
 # KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
 WRITE_KV_THREADS = 256
 WRITE_KV_MAX_BLOCKS = 4096
@@ -151,6 +152,7 @@ class CudaBackend:
         self._module: Optional[cupy.RawModule] = None
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
+        self._step_args: dict = {}
         self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
@@ -268,6 +270,25 @@ class CudaBackend:
         mode and the counts only size the grid; the kernel reads the truth from the snapshot, so a stale
         hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
         """
+        # The buffers of a manager are fixed for its life: validate them and build the launch's constant
+        # arguments once per buffer set (the entry holds the arrays, so their ids stay theirs).
+        key = (id(snap), id(mirror), id(out), id(row_entry), id(pages), id(offsets), id(consts), bool(shared))
+        entry = self._step_args.get(key)
+        if entry is None:
+            if len(self._step_args) >= STEP_ARGS_CACHE:
+                self._step_args.clear()     # buffers replaced over time (grown ring slots, tests) are let go
+            entry = self._step_args[key] = (self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
+                                                                   consts, shared),
+                                            (snap, mirror, out, row_entry, pages, offsets, consts))
+        (planes, fixed), _ = entry
+        table_blocks, pos_blocks = step_grid(planes, int(consts.max_blocks), int(consts.max_batch),
+                                             int(pages.shape[1]), mode, num_entries, num_values, num_tokens)
+        args = fixed + (np.int32(table_blocks),)
+        self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
+
+    @staticmethod
+    def _step_launch_args(snap, mirror, out, row_entry, pages, offsets, consts, shared: bool):
+        """Check build_step's buffers; returns (planes, the launch arguments but the last)."""
         B, max_batch = int(consts.max_blocks), int(consts.max_batch)
         if B % 4:
             raise ValueError(f"build_step: max_blocks={B} must be a multiple of 4")
@@ -288,13 +309,11 @@ class CudaBackend:
         tpb = int(consts.tokens_per_block)
         if tpb <= 0 or tpb & (tpb - 1):
             raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
-        table_blocks, pos_blocks = step_grid(planes, B, max_batch, int(pages.shape[1]), mode, num_entries,
-                                             num_values, num_tokens)
-        args = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
-                consts.d_group_scale, np.int32(consts.num_layers), np.int32(consts.num_groups),
-                np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
-                np.int32(1 if shared else 0), np.int32(table_blocks))
-        self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
+        fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
+                 consts.d_group_scale, np.int32(consts.num_layers), np.int32(consts.num_groups),
+                 np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
+                 np.int32(1 if shared else 0))
+        return planes, fixed
 
     def launch_step_graph(self, stream: cupy.cuda.Stream, slot, mirror: cupy.ndarray, out: cupy.ndarray,
                           row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts,
