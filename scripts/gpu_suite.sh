@@ -39,6 +39,11 @@ for part in $parts; do
           python3 scripts/kernel_breakdown.py --summarize /tmp/ncu.csv >>"$OUT/breakdown.log" 2>&1
       done
       cat "$OUT/breakdown.log" ;;
+    segments)   # GPU time of each part of a step, from events between the backend calls (gated enqueue)
+      for cfg in "gpt-oss-20b 32768 1" "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs"; do
+        timeout 100 python3 scripts/kernel_breakdown.py $cfg 16 --segments >>"$OUT/segments.log" 2>&1
+      done
+      cat "$OUT/segments.log" ;;
     examples)   # one log for all (the device tool returns at most 8 files)
       for ex in examples/*.py; do
         echo "== $ex" >>"$OUT/examples.log"

@@ -41,28 +41,56 @@ from cupykv.bench.harness import SHAPES, Settings, Workload  # noqa: E402
 shape, seq, batch = SHAPES[sys.argv[1]], int(sys.argv[2]), int(sys.argv[3])
 steps = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 12
 graphs = "--graphs" in sys.argv
+segments = "--segments" in sys.argv
 settings = Settings(shapes=[shape.name], seqs=[seq], batches=[batch], contexts=[0], steps=steps, warmup=4,
                     torch=False, backend="cuda")
 wl = Workload(shape, seq, batch, 0, settings, np.random.default_rng(0))
 wl.setup_decode()
 mgr = wl.mgr
 mgr.use_graphs = graphs
-st = mgr.backend.stream
+be = mgr.backend
+st = be.stream
 e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
 times = []
+# --segments: a timing event after each backend call of the step (the stream held by a gate while the host
+# enqueues, so the gaps are the GPU's own), medians per case and segment.
+marks = []
+if segments:
+    def timed(fn, name):
+        def call(*a, **k):
+            fn(*a, **k)
+            ev = cupy.cuda.Event()
+            ev.record(st)
+            marks.append((name, ev))
+        return call
+    # (a graph's capture calls copy_h2d and the kernels itself: with graphs only the top-level calls)
+    for name in ("wait", "launch_step_graph") if graphs else ("wait", "copy_h2d", "apply_deltas", "build_step"):
+        setattr(be, name, timed(getattr(be, name), name))
+seg = {}
 for i in range(steps + 4):
     if i == 4:
         cupy.cuda.runtime.profilerStart()
     pos = wl.pre_churn_decode_only(i)
     ctx, gen, case = wl.schedule_decode_only(pos)
+    gate = be.gate(st) if segments else None
     e0.record(st)
+    marks.clear()
     step = mgr.prepare_batch(contexts=ctx, generation=gen)
     e1.record(st)
+    if gate is not None:
+        gate.open()
     e1.synchronize()
     if i >= 4:
         times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
+        prev = e0
+        for name, ev in marks + [("end", e1)]:
+            seg.setdefault((case, name), []).append(cupy.cuda.get_elapsed_time(prev, ev) * 1e3)
+            prev = ev
     step.finish()
     mgr.settle(step)
 cupy.cuda.runtime.profilerStop()
-print(f"{shape.name} {seq} b{batch} graphs={graphs}: event time per step (ungated) median "
-      f"{np.median(times):.1f} us over {len(times)} steps")
+print(f"{shape.name} {seq} b{batch} graphs={graphs}: event time per step median "
+      f"{np.median(times):.1f} us over {len(times)} steps ({'gated' if segments else 'ungated'})")
+for (case, name), v in sorted(seg.items()):
+    if segments:
+        print(f"  {case:7s} up to the end of {name:18s} median {np.median(v):8.1f} us (n={len(v)})")
