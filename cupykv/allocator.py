@@ -40,7 +40,7 @@ class SlotPool:
         """Quarantine slots until every step with id <= tag has finished."""
         if len(slots) == 0:
             return
-        slots = np.asarray(slots, np.int32).copy()
+        slots = np.array(slots, np.int32)      # a copy: the caller's array may change later
         if self._quarantine and self._quarantine[-1][0] == tag:
             self._quarantine[-1] = (tag, np.concatenate((self._quarantine[-1][1], slots)))
         else:
@@ -53,7 +53,8 @@ class SlotPool:
         while self._quarantine and self._quarantine[0][0] <= finished_through:
             _, slots = self._quarantine.popleft()
             # released lowest-first ends up on top in ascending order, so reuse stays deterministic
-            self._stack[self._top:self._top + len(slots)] = np.sort(slots)[::-1]
+            slots.sort()                          # the quarantine owns these arrays (see release)
+            self._stack[self._top:self._top + len(slots)] = slots[::-1]
             self._top += len(slots)
             moved += len(slots)
         self.num_quarantined -= moved

@@ -35,18 +35,23 @@ def _cdiv(a, b):
 
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-    """(row, block) pairs of the block ranges [lo, hi) of each row, rows in order."""
-    count = np.maximum(hi - lo, 0)
-    if count.max(initial=0) <= 1:                     # the decode case: at most one block per row
-        one = count > 0
-        return rows[one], lo[one]
+    """(row, block) pairs of the non-empty block ranges [lo, hi) of each row (hi > lo), rows in order."""
+    count = hi - lo
+    if count.max(initial=0) == 1:                     # the decode case: one block per row
+        return rows, lo
     first = np.repeat(np.cumsum(count) - count, count)
     return np.repeat(rows, count), np.repeat(lo, count) + (np.arange(int(count.sum())) - first)
 
 
 def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """Sorts `a` in place and returns its distinct values."""
     a.sort()
-    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
+    if len(a) < 2:
+        return a
+    keep = np.empty(len(a), bool)          # filled in place: cheaper than a concatenation at decode sizes
+    keep[0] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
 
 
 def _pow2_at_least(n: int) -> int:
@@ -201,6 +206,7 @@ class KVCacheManager:
         self._table_flat = self.table.reshape(-1)     # a view: cells are addressed by flat index
         self._dirty: List[np.ndarray] = []            # flat table indices changed since the last step
         self._group_base = np.arange(P, dtype=np.int64)[:, None] * (rows * B)   # flat index of table[p, 0, 0]
+        self._group_off = [int(b) for b in self._group_base[:, 0]]             # the same as Python ints
         self._tpb_shift = lay.tpb.bit_length() - 1    # tokens_per_block is a power of two
         # Per-row request state. A row's incarnation counts its tenants, so a step can tell whether the
         # request it scheduled in a row is still the one there.
@@ -519,8 +525,10 @@ class KVCacheManager:
         n = len(rows)
         if n == 0:
             return
-        slots = np.concatenate([pool.allocate(n) for pool in self.pools])
-        self._set_flat((self._group_base + (rows * self.layout.max_blocks + blocks)).reshape(-1), slots)
+        cells = self._group_base + (rows * self.layout.max_blocks + blocks)     # [groups, n]
+        for p, pool in enumerate(self.pools):
+            self._table_flat[cells[p]] = pool.allocate(n)
+        self._dirty.append(cells.reshape(-1))
 
     def _enqueue(self, step: Step, slot) -> None:
         be, st = self.backend, self.backend.stream
@@ -709,10 +717,10 @@ class KVCacheManager:
         """Quarantine the slots held at table[p, rows, blocks] and clear those cells."""
         if len(blocks) == 0:
             return
-        cells = self._group_base[p, 0] + (rows * self.layout.max_blocks + blocks)
+        cells = rows * self.layout.max_blocks + (blocks + self._group_off[p])
         vals = self._table_flat[cells]
-        held = vals != BAD
-        if not held.all():          # scratch blocks of a chunk never got a slot of their own
+        if vals.min() == BAD:       # scratch blocks of a chunk never got a slot of their own (slots are >= 0)
+            held = vals != BAD
             cells, vals = cells[held], vals[held]
             if len(cells) == 0:
                 return
@@ -727,8 +735,7 @@ class KVCacheManager:
     def _set_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, values) -> None:
         if len(blocks) == 0:
             return
-        self._set_flat(self._group_base[p, 0] + (np.asarray(rows, np.int64) * self.layout.max_blocks + blocks),
-                       values)
+        self._set_flat(np.asarray(rows, np.int64) * self.layout.max_blocks + (blocks + self._group_off[p]), values)
 
     def _set_flat(self, cells: np.ndarray, values) -> None:
         """Write table cells by flat index and log them for the next step's snapshot."""

@@ -44,8 +44,12 @@ def runs_from_cells(cells: np.ndarray):
     n = len(cells)
     if n == 0:
         return np.empty(0, np.int64), np.zeros(1, np.int64)
-    # run r covers cells[voff[r]:voff[r + 1]]; a run breaks wherever consecutive cells are not adjacent
-    voff = np.flatnonzero(np.concatenate(([True], cells[1:] != cells[:-1] + 1, [True])))
+    # run r covers cells[voff[r]:voff[r + 1]]; a run breaks wherever consecutive cells are not adjacent.
+    # The break mask is written in place: at decode sizes each numpy call costs more than the data.
+    breaks = np.empty(n + 1, bool)
+    breaks[0] = breaks[n] = True
+    np.not_equal(cells[1:], cells[:-1] + 1, out=breaks[1:n])
+    voff = np.flatnonzero(breaks)
     return cells[voff[:-1]], voff
 
 
