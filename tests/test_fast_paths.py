@@ -1,0 +1,300 @@
+"""The host fast paths of prepare_batch and settle, checked against an independent model, the NumPy
+reference, the general paths, and the previous snapshot packing.
+
+- Decode steps reuse the last validated generation list (no lookup, duplicate or readiness checks) and
+  allocate only for the requests whose new tokens open a block.
+- settle releases only the SWA blocks whose window edge crossed a block boundary, and takes a path
+  without rewind checks when every entry is live and every token accepted.
+- runs_from_cells and _sorted_unique were rewritten for speed; the packed bytes must not change.
+"""
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
+from cupykv import manager as manager_mod
+from cupykv import staging
+from conftest import Capture
+
+TPB = 8
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def make_mgr(windows=(16, None, 24), sinks=0, rewind=3, slots=400, max_batch=8, **kw):
+    spec = cupykv.CacheSpec(windows=list(windows), num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                            max_seq_len=512, max_batch=max_batch, slots_per_group=slots, max_rewind=rewind,
+                            sink_tokens=sinks, swa_scratch_reuse=False)
+    return cupykv.KVCacheManager(spec, backend="host", **kw)
+
+
+class Model:
+    """History and capacity per request, and the blocks that must hold a slot (the formulas of the README
+    concepts: blocks [0, ceil(cap / tpb)) minus the stale range of each SWA group)."""
+
+    def __init__(self, mgr):
+        self.mgr, self.lay = mgr, mgr.layout
+        self.req = {}             # rid -> [hist, cap, {group: stale hi}]
+
+    def add(self, rid, prompt):
+        self.mgr.add(rid, prompt)
+        self.req[rid] = [0, 0, {}]
+
+    def free(self, rid):
+        self.mgr.free(rid)
+        del self.req[rid]
+
+    def scheduled(self, step):
+        for rid, n in zip(step.request_ids, step.num_tokens):
+            self.req[rid][1] += int(n)
+
+    def settled(self, step, accepted):
+        for rid, n in zip(step.request_ids, step.num_tokens):
+            if rid not in self.req:
+                continue
+            m = self.req[rid]
+            a = accepted.get(rid, int(n)) if accepted else int(n)
+            m[0] += a
+            m[1] -= int(n) - a
+            for g in self.lay.groups:
+                if g.window is not None:
+                    m[2][g.index] = max(m[2].get(g.index, 0), (m[0] + 1 - g.window) // TPB)
+
+    def stale_edge(self, rid, g):
+        return (self.req[rid][0] + 1 - g.window) // TPB
+
+    def check(self):
+        for rid, (hist, cap, stale) in self.req.items():
+            row = self.mgr.request(rid).row
+            assert (self.mgr.request(rid).history, self.mgr.request(rid).capacity) == (hist, cap)
+            for g in self.lay.groups:
+                want = set(range(cdiv(cap, TPB)))
+                if g.window is not None:
+                    sink = cdiv(g.sink_tokens, TPB)
+                    want -= set(range(sink, max(sink, stale.get(g.index, 0))))
+                got = set(np.flatnonzero(self.mgr.table[g.index, row] != BAD).tolist())
+                assert got == want, (rid, g.index, hist, cap, sorted(got - want), sorted(want - got))
+
+
+def prefill(model, cap, rids_prompts):
+    for rid, prompt in rids_prompts:
+        model.add(rid, prompt)
+    s = model.mgr.prepare_batch({rid: p for rid, p in rids_prompts})
+    model.scheduled(s)
+    cap.consume(s)
+    model.mgr.settle(s)
+    model.settled(s, None)
+    model.check()
+
+
+@pytest.mark.parametrize("k", [1, 3, TPB, TPB + 3])
+@pytest.mark.parametrize("windows,sinks", [((16, None, 24), 0), ((16, 16, None), 8), ((24, None), 0)])
+def test_decode_steps_match_model_and_reference(k, windows, sinks):
+    """Decode steps where some requests open a block and some SWA blocks go stale, with the cached
+    generation list, overlapping steps (settled one step late), a free, an add, and rewinds."""
+    mgr = make_mgr(windows, sinks)
+    model, cap = Model(mgr), Capture(mgr)
+    rng = np.random.default_rng(k * 7 + len(windows) + sinks)
+    prefill(model, cap, [(f"r{i}", int(rng.integers(1, 60))) for i in range(6)])
+    gen = sorted(model.req)
+    crossed = stale = 0                        # steps where some (all, when k >= tpb) requests did so
+    some = (lambda n, of: 0 < n < of) if k < TPB else (lambda n, of: n > 0)
+    pending = []
+    for it in range(40):
+        if it == 15:                           # a free in the middle: the cached list goes stale
+            model.free(gen[2])
+            gen = gen[:2] + gen[3:]
+        if it == 25:                           # an add and a prefill while the others keep decoding
+            model.add("late", 20)
+            s = mgr.prepare_batch({"late": 20}, gen, num_gen_tokens=k)
+        else:
+            s = mgr.prepare_batch((), gen, num_gen_tokens=k)
+        before = {rid: model.req[rid][1] for rid in gen}
+        model.scheduled(s)
+        cap.consume(s)
+        crossed_now = sum(cdiv(model.req[r][1], TPB) > cdiv(before[r], TPB) for r in gen)
+        crossed += some(crossed_now, len(gen))
+        pending.append(s)
+        if len(pending) == 2:                  # the overlap scheduler: settle the previous step
+            old = pending.pop(0)
+            edges = {r: [model.stale_edge(r, g) for g in mgr.layout.groups if g.window] for r in model.req}
+            mgr.settle(old)
+            model.settled(old, None)
+            moved = sum(edges[r] != [model.stale_edge(r, g) for g in mgr.layout.groups if g.window]
+                        for r in edges if r in model.req)
+            stale += some(moved, len(edges))
+        model.check()
+        if it == 25:
+            gen = gen + ["late"]
+        if it % 9 == 8 and pending:            # a rewind from the latest step: the general settle
+            last = pending.pop(0)
+            acc = {r: int(rng.integers(max(0, k - mgr.spec.max_rewind), k + 1)) for r in gen if r in last.request_ids
+                   and r != "late"}
+            mgr.settle(last, acc)
+            model.settled(last, acc)
+            model.check()
+    for s in pending:
+        mgr.settle(s)
+        model.settled(s, None)
+    model.check()
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert crossed > 5 and stale > 5, (crossed, stale)      # the workload exercised both fast paths
+
+
+def _twin_managers(monkeypatch):
+    """Two managers fed the same calls: `fast` as is, `slow` without the list cache and with the general
+    settle."""
+    fast, slow = make_mgr(rewind=2), make_mgr(rewind=2)
+    orig_plan = slow._plan_generation
+
+    def uncached(gen_ids, ctx_rows, k):
+        slow._gen_batch = None
+        return orig_plan(gen_ids, ctx_rows, k)
+
+    monkeypatch.setattr(slow, "_plan_generation", uncached)
+    monkeypatch.setattr(slow, "_settle_accepted", slow._settle_general)
+    return fast, slow
+
+
+def test_fast_paths_leave_the_same_state_as_the_general_paths(monkeypatch):
+    fast, slow = _twin_managers(monkeypatch)
+    rng = np.random.default_rng(5)
+    prompts = [int(p) for p in rng.integers(1, 80, 7)]
+    words = []
+    for mgr in (fast, slow):
+        for i, p in enumerate(prompts):
+            mgr.add(i, p)
+        s = mgr.prepare_batch({i: p for i, p in enumerate(prompts)})
+        s.finish()
+        mgr.settle(s)
+    ids = list(range(7))
+    for it in range(60):
+        k = int(rng.integers(1, 3))
+        acc = None if it % 5 else {i: int(rng.integers(0, k + 1)) for i in ids}
+        for mgr in (fast, slow):
+            s = mgr.prepare_batch((), ids, num_gen_tokens=k)
+            s.finish()
+            words.append(mgr.h2d_bytes_last_step)
+            mgr.settle(s, acc)
+        assert fast.state() == slow.state(), it
+        assert words[-1] == words[-2]
+
+
+def test_cached_list_is_dropped_on_free():
+    mgr = make_mgr()
+    for rid, p in (("a", 10), ("b", 20)):
+        mgr.add(rid, p)
+    s = mgr.prepare_batch({"a": 10, "b": 20})
+    s.finish()
+    mgr.settle(s)
+    s = mgr.prepare_batch((), ["a", "b"])
+    s.finish()
+    s.request_ids.reverse()                    # the step's list is its own: the cache must not see this
+    mgr.settle(s)
+    s = mgr.prepare_batch((), ["a", "b"])      # a cache hit
+    assert list(s.request_ids) == ["a", "b"] and mgr.request("a").row == s.rows[0]
+    s.finish()
+    mgr.settle(s)
+    mgr.free("a")
+    before = mgr.state()
+    with pytest.raises(UnknownRequestError, match="'a'"):
+        mgr.prepare_batch((), ["a", "b"])
+    assert mgr.state() == before
+    mgr.add("a", 30)                           # the same id in the same row, prompt not scheduled yet
+    with pytest.raises(InvalidRequestError, match="cannot decode before its whole prompt"):
+        mgr.prepare_batch((), ["a", "b"])
+    assert mgr.state() != before and mgr.request("a").capacity == 0
+    s = mgr.prepare_batch({"a": 30}, ["b"])
+    s.finish()
+    mgr.settle(s)
+    s = mgr.prepare_batch((), ["a", "b"])
+    assert s.start_positions.tolist() == [30, 23]
+
+
+def test_errors_on_a_cache_hit_leave_the_state_unchanged():
+    mgr = make_mgr(windows=(None,), slots=7, max_batch=2)
+    mgr.add("a", 500)
+    mgr.add("b", 8)
+    s = mgr.prepare_batch({"b": 8})
+    s.finish()
+    mgr.settle(s)
+    for _ in range(100):                       # b runs out of slots: 7 slots of 8 tokens
+        try:
+            s = mgr.prepare_batch((), ["b"])
+        except OutOfSlotsError:
+            break
+        s.finish()
+        mgr.settle(s)
+    else:
+        pytest.fail("never ran out of slots")
+    before = mgr.state()
+    with pytest.raises(OutOfSlotsError):
+        mgr.prepare_batch((), ["b"])
+    assert mgr.state() == before
+    mgr = make_mgr(windows=(None,), slots=100, max_batch=2)
+    mgr.add("c", 503)
+    s = mgr.prepare_batch({"c": 503})
+    s.finish()
+    mgr.settle(s)
+    s = mgr.prepare_batch((), ["c"])            # validates and caches the list
+    s.finish()
+    mgr.settle(s)
+    before = mgr.state()
+    with pytest.raises(CapacityExceededError, match=r"'c': 504 \+ 9 tokens exceeds max_seq_len=512"):
+        mgr.prepare_batch((), ["c"], num_gen_tokens=9)
+    assert mgr.state() == before
+
+
+def _runs_from_cells_before(cells):
+    """runs_from_cells as it was before the in-place rewrite (the oracle of the packed bytes)."""
+    if len(cells) == 0:
+        return np.empty(0, np.int64), np.zeros(1, np.int64)
+    voff = np.flatnonzero(np.concatenate(([True], cells[1:] != cells[:-1] + 1, [True])))
+    return cells[voff[:-1]], voff
+
+
+def _sorted_unique_before(a):
+    a.sort()
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
+
+
+def _random_cells(rng):
+    n = int(rng.choice([0, 1, 2, 3, 17, 300]))
+    starts = rng.integers(0, 5000, n)
+    lens = rng.integers(1, 6, n)
+    cells = np.repeat(starts, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
+    return np.unique(cells).astype(np.int64)
+
+
+def test_runs_and_packed_bytes_unchanged(monkeypatch):
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        cells = _random_cells(rng)
+        got, want = staging.runs_from_cells(cells), _runs_from_cells_before(cells)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and np.array_equal(g, w)
+        P, C, M, n = int(rng.integers(1, 4)), int(rng.integers(0, 3)), int(rng.integers(0, 3)), int(rng.integers(0, 9))
+        args = (int(rng.integers(0, 1 << 40)), rng.integers(0, 64, n).astype(np.int32),
+                rng.integers(0, 9, (P, C)).astype(np.int32), rng.integers(0, 9, (P, C)).astype(np.int32),
+                rng.integers(0, 99, (P, C, M)).astype(np.int32), cells,
+                rng.integers(-1, 999, len(cells)).astype(np.int32),
+                np.concatenate(([0], np.cumsum(rng.integers(1, 9, n)))), rng.integers(0, 999, n))
+        kw = dict(mode=int(rng.integers(0, 2)), pad_to=int(rng.integers(0, 64)))
+        words = staging.snapshot_words(n, C, P, M, len(want[0]), len(cells))
+        new, old = np.full(words + 8, 7, np.int32), np.full(words + 8, 7, np.int32)
+        assert staging.pack_snapshot(new, *args, **kw) == words
+        with monkeypatch.context() as m:
+            m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
+            assert staging.pack_snapshot(old, *args, **kw) == words
+        assert new.tobytes() == old.tobytes()
+
+
+def test_sorted_unique_unchanged():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        a = rng.integers(0, int(rng.choice([2, 50, 10000])), int(rng.choice([0, 1, 2, 5, 300])))
+        got, want = manager_mod._sorted_unique(a.copy()), _sorted_unique_before(a.copy())
+        assert got.dtype == want.dtype and np.array_equal(got, want)
