@@ -119,7 +119,7 @@ class RingSlot:
     def __init__(self, backend, words: int):
         self.host = backend.pinned_empty(words)
         self.dev = backend.device_empty(words)
-        self.copied = None          # event recorded after the last copy that read `host`
+        self.copied = None          # event recorded after the last copy that read `host` (the step's ready)
         self.retired: List = []     # outgrown device buffers kernels may still read; kept alive
 
     @property

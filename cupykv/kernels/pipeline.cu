@@ -142,10 +142,76 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
     return min(max(row, 0), rows - 1);   // a corrupt snapshot (unsafe staging) stays inside the buffers
 }
 
+// One FULL-mode work item: where it writes, and its mirror quad (loaded before any store, see full_tables).
+struct Item {
+    int* dst = nullptr;      // the K quad; V is B words further; null: past the end of the work
+    int4 base;
+    int s = 0, p = 0, plane = 0, b0 = 0;
+    bool pad = false;        // a padding row: BAD
+};
+
+template <typename Index>
+__device__ __forceinline__ Item load_item(const StepArgs& a, Index k, Index total, Index per_plane, int quads,
+                                          int num_seqs, int epoch, const int* copy_idx)
+{
+    Item it;
+    if (k >= total)
+        return it;
+    it.plane = static_cast<int>(k / per_plane);
+    const Index q = k - it.plane * per_plane;
+    it.s = static_cast<int>(q / quads);
+    it.b0 = static_cast<int>(q - static_cast<Index>(it.s) * quads) * 4;
+    it.dst = a.out + ((static_cast<long long>(it.plane) * a.max_batch + it.s) * 2) * a.B + it.b0;
+    if (it.s >= num_seqs) {
+        it.pad = true;
+        return it;
+    }
+    const int row = clamp_row(copy_idx[it.s], a.rows);
+    if (it.plane == 0 && it.b0 == 0)
+        a.row_entry[row] = make_int2(epoch, it.s);
+    it.p = a.shared ? it.plane : a.layer_group[it.plane];
+    it.base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(it.p) * a.rows + row) * a.B + it.b0);
+    return it;
+}
+
+__device__ __forceinline__ void store_item(const StepArgs& a, const Item& it)
+{
+    if (it.dst == nullptr)
+        return;
+    int4 kq, vq;
+    if (it.pad) {            // a padding row of a fixed-size consumer batch
+        kq = vq = make_int4(BAD, BAD, BAD, BAD);
+    } else if (a.shared) {   // K = base * scale, V = K + 1; the consumer adds the layer's offset
+        const int scale = a.group_scale[it.p];
+        const int4 base = it.base;
+        kq = make_int4(slot_entry(base.x, scale, 0), slot_entry(base.y, scale, 0), slot_entry(base.z, scale, 0),
+                       slot_entry(base.w, scale, 0));
+        vq = make_int4(slot_entry(base.x, scale, 1), slot_entry(base.y, scale, 1), slot_entry(base.z, scale, 1),
+                       slot_entry(base.w, scale, 1));
+    } else {
+        const int scale = a.group_scale[it.p];
+        const int4 base = it.base;
+        const int b0 = it.b0;
+        const Scratch sc = scratch_of(a.snap, it.p, it.s);
+        const int off = a.layer_koff[it.plane];
+        kq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
+        vq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
+    }
+    *reinterpret_cast<int4*>(it.dst) = kq;
+    *reinterpret_cast<int4*>(it.dst + a.B) = vq;
+}
+
 // FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and BAD for the
 // padding rows [num_seqs, pad_to). Work items are (plane, entry, quad of 4 blocks) in output order, so
 // consecutive threads write consecutive 16-byte words: the write pattern of a memset. Each item is one
-// 16-byte mirror load (L2-resident: the mirror is small next to the output) and two 16-byte stores.
+// 16-byte mirror load (L2-resident: the mirror is small next to the output) and two 16-byte stores; a thread
+// loads two items before it stores either, so two load chains are in flight while the stores drain.
 // Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
 // Index is int when the item count fits (64-bit division costs several times more), else long long.
 template <typename Index>
@@ -158,44 +224,11 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
 
-    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += stride) {
-        const int plane = static_cast<int>(k / per_plane);
-        const Index q = k - plane * per_plane;
-        const int s = static_cast<int>(q / quads);
-        const int b0 = static_cast<int>(q - static_cast<Index>(s) * quads) * 4;
-        int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b0;
-        if (s >= num_seqs) {     // padding row of a fixed-size consumer batch
-            const int4 bad = make_int4(BAD, BAD, BAD, BAD);
-            *reinterpret_cast<int4*>(dst) = bad;
-            *reinterpret_cast<int4*>(dst + a.B) = bad;
-            continue;
-        }
-        const int row = clamp_row(copy_idx[s], a.rows);
-        if (plane == 0 && b0 == 0)
-            a.row_entry[row] = make_int2(epoch, s);
-        const int p = a.shared ? plane : a.layer_group[plane];
-        const int scale = a.group_scale[p];
-        const int4 base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(p) * a.rows + row) * a.B + b0);
-        int4 kq, vq;
-        if (a.shared) {          // K = base * scale, V = K + 1; the consumer adds the layer's offset
-            kq = make_int4(slot_entry(base.x, scale, 0), slot_entry(base.y, scale, 0), slot_entry(base.z, scale, 0),
-                           slot_entry(base.w, scale, 0));
-            vq = make_int4(slot_entry(base.x, scale, 1), slot_entry(base.y, scale, 1), slot_entry(base.z, scale, 1),
-                           slot_entry(base.w, scale, 1));
-        } else {
-            const Scratch sc = scratch_of(snap, p, s);
-            const int off = a.layer_koff[plane];
-            kq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
-                           per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
-                           per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
-                           per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
-            vq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
-                           per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
-                           per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
-                           per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
-        }
-        *reinterpret_cast<int4*>(dst) = kq;
-        *reinterpret_cast<int4*>(dst + a.B) = vq;
+    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += 2 * stride) {
+        const Item first = load_item(a, k, total, per_plane, quads, num_seqs, epoch, copy_idx);
+        const Item second = load_item(a, k + stride, total, per_plane, quads, num_seqs, epoch, copy_idx);
+        store_item(a, first);
+        store_item(a, second);
     }
 }
 
@@ -302,7 +335,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks)
 // build the tables (FULL or DELTA, as the header says); the rest write the positions. Both parts read only the
 // mirror and the snapshot, so they need no ordering between them. Every part grid-strides and reads its counts
 // from the header, so any grid is correct; the host sizes it for the step (or for a graph's bucket).
-extern "C" __global__ void cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror,
+extern "C" __global__ void __launch_bounds__(256) cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror,
                                              int* __restrict__ out, int2* __restrict__ row_entry,
                                              int* __restrict__ pages, int* __restrict__ offsets,
                                              const int* __restrict__ layer_group,
@@ -324,7 +357,7 @@ extern "C" __global__ void cupykv_build_step(const int* __restrict__ snap, const
         const int live = max(num_seqs, min(snap[H_PAD_TO], max_batch));   // padding rows are written too
         const long long per_plane = static_cast<long long>(live) * (B / 4);
         const long long total = per_plane * planes;
-        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last stride step without overflow
+        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last strides without overflow
             full_tables<int>(a, block, table_blocks, static_cast<int>(per_plane), static_cast<int>(total));
         else
             full_tables<long long>(a, block, table_blocks, per_plane, total);
