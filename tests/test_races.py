@@ -82,8 +82,10 @@ def test_page_table_rewritten(backend_name, staging):
         s = mgr.prepare_batch({"new": 200}, ["b"])
         cap.consume(s)
         mgr.settle(s)
-        for _ in range(24):                            # b's SWA blocks fall out of the window
-            s = mgr.prepare_batch((), ["new", "b"])
+        # b's SWA blocks fall out of the window. 24 tokens in 6 steps: every operation queued behind the
+        # gate occupies the launch queue, and a full queue blocks the host (README, Development).
+        for _ in range(6):
+            s = mgr.prepare_batch((), ["new", "b"], num_gen_tokens=4)
             cap.consume(s)
             mgr.settle(s)
 
