@@ -133,10 +133,15 @@ def _versions(backend_name: str) -> dict:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
         if rev.returncode == 0:
-            v["git"] = rev.stdout.strip()
+            v["git"] = rev.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
     except Exception:   # noqa: BLE001
         pass
+    # A copied working tree may carry an older .git; whoever runs the benchmark can name the source tree.
+    if os.environ.get("CUPYKV_SOURCE_REV"):
+        v["git"] = os.environ["CUPYKV_SOURCE_REV"]
     try:
         import cupy
         v["cupy"] = cupy.__version__
