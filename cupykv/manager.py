@@ -326,7 +326,10 @@ class KVCacheManager:
         pad_to: for a consumer captured with a fixed batch size: output rows [num_seqs, pad_to) are
         written BAD.
         """
-        ctx_items = list(contexts.items()) if isinstance(contexts, Mapping) else [tuple(c) for c in contexts]
+        if type(contexts) is tuple and not contexts:     # the default, in every decode step: no ABC check
+            ctx_items = []
+        else:
+            ctx_items = list(contexts.items()) if isinstance(contexts, Mapping) else [tuple(c) for c in contexts]
         if isinstance(generation, (str, bytes)):
             raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids, not one id")
         gen_ids = generation.tolist() if isinstance(generation, np.ndarray) else list(generation)
@@ -395,7 +398,7 @@ class KVCacheManager:
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         M = max([lay.scratch_slots_needed(g, s_hi - s_lo)
                  for per in ctx_blocks for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
-        cells = sum(len(d) for d in self._dirty) + lay.num_groups * gen_blocks + sum(
+        cells = sum(map(len, self._dirty)) + lay.num_groups * gen_blocks + sum(
             hi - lo for per in ctx_blocks for (lo, hi, _, _) in per)
         words = snapshot_words(len(ctx_rows) + len(gen.rows), len(ctx_rows), lay.num_groups, M, cells, cells)
         slot = self.ring.acquire(words) if self.staging == "snapshot" else None
