@@ -120,6 +120,7 @@ class _GenBatch:
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
 
     def matches(self, ids: List[RequestId]) -> bool:
+        """Equal ids hash equal (Python's rule for dict keys), so an equal list maps to the same rows."""
         try:
             return ids == self.ids
         except Exception:        # an id whose == misbehaves (an array): let the full checks report it
