@@ -538,7 +538,8 @@ class KVCacheManager:
         be, st = self.backend, self.backend.stream
         cells = _sorted_unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
         self._dirty.clear()
-        cu_tokens = np.concatenate(([0], np.cumsum(step.num_tokens)))
+        cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
+        np.cumsum(step.num_tokens, out=cu_tokens[1:])
         prev = self._in_flight[-1] if self._in_flight else None
         if prev is not None:
             be.wait(st, prev.finished)     # the previous consumer's reads come before our writes
@@ -585,7 +586,7 @@ class KVCacheManager:
         prev = self._last_step
         return (self.steady_batch_delta and prev is not None and getattr(prev, "mode", None) is not None
                 and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
-                and np.array_equal(prev.rows, step.rows))
+                and (prev.rows is step.rows or np.array_equal(prev.rows, step.rows)))
 
     def _enqueue_unsafe(self, step: Step, cu_tokens):
         """UNSAFE, for the race tests only: metadata from a pinned pool array dropped right after enqueue,
