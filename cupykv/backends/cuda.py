@@ -33,7 +33,7 @@ APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pas
 TABLE_MAX_BLOCKS = 4096
 DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
 POS_MAX_BLOCKS = 1024
-STEP_ARGS_CACHE = 64             # validated build_step argument sets kept (one per ring slot in use)
+MEMO_ENTRIES = 256               # validated buffer sets kept by _memo (a few per ring slot in use)
 # KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
 WRITE_KV_THREADS = 256
 WRITE_KV_MAX_BLOCKS = 4096
@@ -152,7 +152,7 @@ class CudaBackend:
         self._module: Optional[cupy.RawModule] = None
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
-        self._step_args: dict = {}
+        self._memo_cache: dict = {}
         self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
@@ -233,9 +233,11 @@ class CudaBackend:
     def copy_h2d(self, dst: cupy.ndarray, src: np.ndarray, words: int, stream: cupy.cuda.Stream) -> None:
         """Copy the first `words` int32 of pinned `src` into `dst`. `src` must not be written again
         until an event recorded after this copy has completed."""
-        if words > dst.size or words > src.size:
+        dst_ptr, src_ptr, fits = self._memo("copy_h2d", (dst, src),
+                                            lambda: (dst.data.ptr, src.ctypes.data, min(dst.size, src.size)))
+        if words > fits:
             raise ValueError(f"copy_h2d: {words} words do not fit (dst {dst.size}, src {src.size})")
-        runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, words * 4, runtime.memcpyHostToDevice, stream.ptr)
+        runtime.memcpyAsync(dst_ptr, src_ptr, words * 4, runtime.memcpyHostToDevice, stream.ptr)
 
     def copy_d2d(self, dst: cupy.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
@@ -250,12 +252,15 @@ class CudaBackend:
         num_values only sizes the grid (the kernel reads the true count from the snapshot and grid-strides);
         None gives a fixed grid, for graph capture.
         """
-        _require_device(snap, "snap")
-        _require_device(mirror, "mirror")
+        def check():
+            _require_device(snap, "snap")
+            _require_device(mirror, "mirror")
+            return snap, mirror, np.int64(mirror.size)
+
+        args = self._memo("apply_deltas", (snap, mirror), check)
         hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
         blocks = min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
-        self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), (snap, mirror, np.int64(mirror.size)),
-                                            stream=stream)
+        self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), args, stream=stream)
 
     def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
                    row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
@@ -270,17 +275,9 @@ class CudaBackend:
         mode and the counts only size the grid; the kernel reads the truth from the snapshot, so a stale
         hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
         """
-        # The buffers of a manager are fixed for its life: validate them and build the launch's constant
-        # arguments once per buffer set (the entry holds the arrays, so their ids stay theirs).
-        key = (id(snap), id(mirror), id(out), id(row_entry), id(pages), id(offsets), id(consts), bool(shared))
-        entry = self._step_args.get(key)
-        if entry is None:
-            if len(self._step_args) >= STEP_ARGS_CACHE:
-                self._step_args.clear()     # buffers replaced over time (grown ring slots, tests) are let go
-            entry = self._step_args[key] = (self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
-                                                                   consts, shared),
-                                            (snap, mirror, out, row_entry, pages, offsets, consts))
-        (planes, fixed), _ = entry
+        planes, fixed = self._memo("build_step", (snap, mirror, out, row_entry, pages, offsets, consts, shared),
+                                   lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
+                                                                  consts, shared))
         table_blocks, pos_blocks = step_grid(planes, int(consts.max_blocks), int(consts.max_batch),
                                              int(pages.shape[1]), mode, num_entries, num_values, num_tokens)
         args = fixed + (np.int32(table_blocks),)
@@ -330,7 +327,8 @@ class CudaBackend:
         # several managers), and the graph keeps its buffers alive.
         buffers = (slot.host, slot.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
                    consts.d_layer_koff, consts.d_group_scale)
-        key = (tuple(_address(b) for b in buffers), slot.capacity, int(mode), int(seqs_bucket), int(tokens_bucket),
+        addresses = self._memo("graph", buffers, lambda: tuple(_address(b) for b in buffers))
+        key = (addresses, slot.capacity, int(mode), int(seqs_bucket), int(tokens_bucket),
                int(copy_words), bool(shared))
         graph = self._graphs.get(key)
         if graph is None:
@@ -423,6 +421,18 @@ class CudaBackend:
         return host, event
 
     # -- internals -----------------------------------------------------------------------------
+    def _memo(self, tag: str, buffers: tuple, make):
+        """make() once per (tag, buffers by identity). A manager's buffers are fixed for its life, so each
+        step's calls skip re-validating them and re-reading their pointers (several microseconds per call
+        on a slow host). The entry holds the buffers, so their ids cannot be reused while it exists."""
+        key = (tag,) + tuple(map(id, buffers))
+        hit = self._memo_cache.get(key)
+        if hit is None:
+            if len(self._memo_cache) >= MEMO_ENTRIES:
+                self._memo_cache.clear()     # buffers replaced over time (grown ring slots, tests) are let go
+            hit = self._memo_cache[key] = (make(), buffers)
+        return hit[0]
+
     def _kernel(self, name: str) -> cupy.RawKernel:
         """The named kernel of pipeline.cu; the module is compiled on first use (cached on disk by CuPy)."""
         kernel = self._kernels.get(name)
