@@ -153,6 +153,7 @@ class CudaBackend:
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
         self._memo_cache: dict = {}
+        self._copy_ptrs: dict = {}
         self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
@@ -233,8 +234,16 @@ class CudaBackend:
     def copy_h2d(self, dst: cupy.ndarray, src: np.ndarray, words: int, stream: cupy.cuda.Stream) -> None:
         """Copy the first `words` int32 of pinned `src` into `dst`. `src` must not be written again
         until an event recorded after this copy has completed."""
-        dst_ptr, src_ptr, fits = self._memo("copy_h2d", (dst, src),
-                                            lambda: (dst.data.ptr, src.ctypes.data, min(dst.size, src.size)))
+        # Pointers are cached per (dst, src), but src only through a weak reference: holding it would keep
+        # alive a pinned buffer its owner dropped, which is exactly what the unsafe mode's race tests need
+        # to happen (and what a caller must not rely on).
+        hit = self._copy_ptrs.get((id(dst), id(src)))
+        if hit is None or hit[0]() is not src or hit[1] is not dst:
+            if len(self._copy_ptrs) >= MEMO_ENTRIES:
+                self._copy_ptrs.clear()
+            hit = self._copy_ptrs[(id(dst), id(src))] = (weakref.ref(src), dst, dst.data.ptr, src.ctypes.data,
+                                                         min(dst.size, src.size))
+        _, _, dst_ptr, src_ptr, fits = hit
         if words > fits:
             raise ValueError(f"copy_h2d: {words} words do not fit (dst {dst.size}, src {src.size})")
         runtime.memcpyAsync(dst_ptr, src_ptr, words * 4, runtime.memcpyHostToDevice, stream.ptr)
