@@ -43,17 +43,6 @@ def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     return np.repeat(rows, count), np.repeat(lo, count) + (np.arange(int(count.sum())) - first)
 
 
-def _sorted_unique(a: np.ndarray) -> np.ndarray:
-    """Sorts `a` in place and returns its distinct values."""
-    a.sort()
-    if len(a) < 2:
-        return a
-    keep = np.empty(len(a), bool)          # filled in place: cheaper than a concatenation at decode sizes
-    keep[0] = True
-    np.not_equal(a[1:], a[:-1], out=keep[1:])
-    return a[keep]
-
-
 def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -536,7 +525,9 @@ class KVCacheManager:
 
     def _enqueue(self, step: Step, slot) -> None:
         be, st = self.backend, self.backend.stream
-        cells = _sorted_unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
+        # Logged in order, neither sorted nor deduplicated: every copy of a cell carries the table's current
+        # value, and runs only need adjacent cells (sorting the log of a step with frees cost ~100 us).
+        cells = np.concatenate(self._dirty) if self._dirty else np.empty(0, np.int64)
         self._dirty.clear()
         cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
         np.cumsum(step.num_tokens, out=cu_tokens[1:])

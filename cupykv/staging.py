@@ -40,7 +40,8 @@ MODE_FULL, MODE_DELTA = 0, 1
 
 
 def runs_from_cells(cells: np.ndarray):
-    """Sorted unique flat cell indices -> (run_start, run_voff) of their contiguous runs."""
+    """Flat cell indices -> (run_start, run_voff): maximal runs of consecutive ascending cells, in order.
+    Any order and repeats are fine (the values of a repeated cell are equal); sorted input packs tightest."""
     n = len(cells)
     if n == 0:
         return np.empty(0, np.int64), np.zeros(1, np.int64)
@@ -63,8 +64,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
                   cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, epoch: int = 0) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
-    begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: sorted unique flat indices of
-    changed table cells and `values` their current values.
+    begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
+    cells (any order; a repeated cell must carry the same value each time) and `values` their values.
     """
     run_start, run_voff = runs_from_cells(cells)
     sections = (copy_idx, begs.reshape(-1), ends.reshape(-1), scratch.reshape(-1), run_start, run_voff, values,

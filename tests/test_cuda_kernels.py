@@ -107,6 +107,8 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     changed = np.flatnonzero(new.reshape(-1) != old.reshape(-1))
     rewritten = rng.integers(0, new.size, int(rng.integers(0, 5)))    # unchanged cells sent again
     cells = np.unique(np.concatenate((changed, rewritten))).astype(np.int64)
+    if rng.random() < 0.5:      # the manager logs cells in order of change: any order, repeats allowed
+        cells = rng.permutation(np.concatenate((cells, rng.choice(cells, min(len(cells), 3))))) if len(cells) else cells
 
     copy_idx = rng.permutation(rows)[:num_seqs].astype(np.int32)
     begs = np.zeros((P, num_contexts), np.int32)

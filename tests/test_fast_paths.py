@@ -5,14 +5,13 @@ reference, the general paths, and the previous snapshot packing.
   allocate only for the requests whose new tokens open a block.
 - settle releases only the SWA blocks whose window edge crossed a block boundary, and takes a path
   without rewind checks when every entry is live and every token accepted.
-- runs_from_cells and _sorted_unique were rewritten for speed; the packed bytes must not change.
+- runs_from_cells was rewritten for speed; the packed bytes must not change.
 """
 import numpy as np
 import pytest
 
 import cupykv
 from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
-from cupykv import manager as manager_mod
 from cupykv import staging
 from conftest import Capture
 
@@ -256,11 +255,6 @@ def _runs_from_cells_before(cells):
     return cells[voff[:-1]], voff
 
 
-def _sorted_unique_before(a):
-    a.sort()
-    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) > 1 else a
-
-
 def _random_cells(rng):
     n = int(rng.choice([0, 1, 2, 3, 17, 300]))
     starts = rng.integers(0, 5000, n)
@@ -290,11 +284,3 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
             m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
             assert staging.pack_snapshot(old, *args, **kw) == words
         assert new.tobytes() == old.tobytes()
-
-
-def test_sorted_unique_unchanged():
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        a = rng.integers(0, int(rng.choice([2, 50, 10000])), int(rng.choice([0, 1, 2, 5, 300])))
-        got, want = manager_mod._sorted_unique(a.copy()), _sorted_unique_before(a.copy())
-        assert got.dtype == want.dtype and np.array_equal(got, want)
