@@ -537,8 +537,7 @@ class KVCacheManager:
         shared = self.spec.table_mode == "shared"
         tokens = int(cu_tokens[-1])
         if self.staging == "unsafe":
-            snap = self._enqueue_unsafe(step, cu_tokens)
-            be.apply_deltas(st, snap, self.mirror, self._consts, num_values=1)
+            snap = self._enqueue_unsafe(step, cu_tokens)     # carries no deltas: the mirror is copied whole
             be.build_step(st, snap, self.mirror, self.out, self.row_entry, self.write_pages, self.write_offsets,
                           self._consts, shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=tokens)
             step.ready = be.record(st)
@@ -563,7 +562,8 @@ class KVCacheManager:
         else:
             be.copy_h2d(slot.dev, slot.host, words, st)
             self.h2d_bytes_last_step = words * 4
-            be.apply_deltas(st, slot.dev, self.mirror, self._consts, num_values=len(cells))
+            if len(cells):      # a steady decode step often changes no cell: one launch fewer
+                be.apply_deltas(st, slot.dev, self.mirror, self._consts, num_values=len(cells))
             be.build_step(st, slot.dev, self.mirror, self.out, self.row_entry, self.write_pages,
                           self.write_offsets, self._consts, shared, step.mode, num_entries=entries,
                           num_values=len(cells), num_tokens=tokens)
