@@ -221,6 +221,7 @@ class KVCacheManager:
         # (epoch, batch entry) of each row in the last FULL step's batch; DELTA steps look their cells up here
         self.row_entry = be.device_full((rows, 2), -1, np.int32)
         self._epoch = 0
+        self._force_full = False     # set when a step's launch failed: the output may hold anything
         out_planes = P if spec.table_mode == "shared" else lay.num_layers
         self.out = be.device_full((out_planes, spec.max_batch, 2, B), BAD, np.int32)
         # Where each new token's K/V goes: K page index per layer (V is K + 1) and position in the page.
@@ -463,7 +464,7 @@ class KVCacheManager:
         gen: _GenPlan = plan["gen"]
         self._allocate_blocks(gen.new_rows, gen.new_blocks)
         k, C = plan["k"], len(plan["ctx_rows"])
-        if C == 0:
+        if C == 0 and gen.batch is not None:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations = gen.rows, gen.batch.rows32, gen.batch.incarnations
             tokens, starts = gen.batch.tokens_for(k), gen.cap
@@ -524,11 +525,23 @@ class KVCacheManager:
         self._dirty.append(cells.reshape(-1))
 
     def _enqueue(self, step: Step, slot) -> None:
-        be, st = self.backend, self.backend.stream
         # Logged in order, neither sorted nor deduplicated: every copy of a cell carries the table's current
         # value, and runs only need adjacent cells (sorting the log of a step with frees cost ~100 us).
         cells = np.concatenate(self._dirty) if self._dirty else np.empty(0, np.int64)
+        try:
+            self._launch(step, slot, cells)
+        except BaseException:
+            # The device work may be partly enqueued: keep the log for the next step, which must be FULL.
+            self._force_full = True
+            raise
         self._dirty.clear()
+        self._force_full = False
+        if step.mode == MODE_FULL:
+            self._epoch = step.id       # DELTA steps find their batch entries through this step's row map
+
+    def _launch(self, step: Step, slot, cells: np.ndarray) -> None:
+        """Pack the step's snapshot and enqueue its copy and kernels (or its graph) on the manager stream."""
+        be, st = self.backend, self.backend.stream
         cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
         np.cumsum(step.num_tokens, out=cu_tokens[1:])
         prev = self._in_flight[-1] if self._in_flight else None
@@ -543,12 +556,10 @@ class KVCacheManager:
             step.ready = be.record(st)
             return
         step.mode = MODE_DELTA if self._steady(step) else MODE_FULL
-        if step.mode == MODE_FULL:
-            self._epoch = step.id       # DELTA steps find their batch entries through this step's row map
         values = self.table.reshape(-1)[cells]
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
-                              step.scratch_slots, cells, values, cu_tokens, step.start_positions,
-                              mode=step.mode, pad_to=step.pad_to, epoch=self._epoch)
+                              step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
+                              pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self._epoch)
         entries = max(step.num_seqs, step.pad_to)
         if self.use_graphs:
             # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers
@@ -575,7 +586,7 @@ class KVCacheManager:
         """True when the output already holds this batch's rows (the previous step's, row for row, no
         contexts in either, same padding): only changed cells need rewriting."""
         prev = self._last_step
-        return (self.steady_batch_delta and prev is not None and getattr(prev, "mode", None) is not None
+        return (self.steady_batch_delta and not self._force_full and prev is not None and getattr(prev, "mode", None) is not None
                 and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
                 and (prev.rows is step.rows or np.array_equal(prev.rows, step.rows)))
 

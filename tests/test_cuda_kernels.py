@@ -344,3 +344,46 @@ def test_cuda_gate_times_out(cuda_backend):
     assert passed.wait(10.0), "a gate nobody opens must release its stream after its timeout"
     assert gate.close_timeout_hit()
     assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("backend_name", ["host", "cuda"])
+def test_apply_skips_cells_outside_the_mirror(backend_name, request):
+    """A corrupt delta run (negative start, or past the end) writes only the cells inside the mirror, on
+    both backends alike."""
+    if backend_name == "cuda":
+        if not _gpu_available():
+            pytest.skip("CuPy sees no usable CUDA GPU")
+        backend = request.getfixturevalue("cuda_backend")
+    else:
+        backend = HostBackend()
+    layout = make_layout("full_only_b4")
+    size = layout.num_groups * layout.spec.max_batch * layout.max_blocks
+    run_start = np.array([-2, 5, size - 2], np.int64)
+    voff = np.array([0, 4, 6, 10], np.int64)
+    values = np.arange(100, 110, dtype=np.int32)
+    empty = np.zeros((layout.num_groups, 0), np.int32)
+    snap = np.zeros(200, np.int32)
+    # pack_snapshot takes cells; build the header by hand around hand-made runs instead
+    from cupykv import staging as stg
+    stg.pack_snapshot(snap, 1, np.zeros(0, np.int32), empty, empty, np.zeros((layout.num_groups, 0, 0), np.int32),
+                      np.empty(0, np.int64), np.empty(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int64))
+    h = snap[:stg.HEADER_WORDS]
+    base = int(h[stg.H_OFF_CU_TOKENS]) + 1
+    for off, arr in ((stg.H_OFF_RUN_START, run_start), (stg.H_OFF_RUN_VOFF, voff), (stg.H_OFF_VALUES, values)):
+        h[off] = base
+        snap[base:base + len(arr)] = arr
+        base += len(arr)
+    h[stg.H_NUM_RUNS], h[stg.H_NUM_VALUES] = len(run_start), len(values)
+    consts = make_consts(layout, backend)
+    mirror = backend.device_full(size, -5)
+    host = backend.pinned_empty(len(snap))
+    host[:] = snap
+    dev = backend.device_empty(len(snap))
+    backend.copy_h2d(dev, host, len(snap), backend.stream)
+    backend.apply_deltas(backend.stream, dev, mirror, consts)
+    backend.synchronize()
+    want = np.full(size, -5, np.int32)
+    want[[0, 1]] = [102, 103]                   # the first run's cells -2, -1 are skipped
+    want[[5, 6]] = [104, 105]
+    want[[size - 2, size - 1]] = [106, 107]     # the last run's cells size, size + 1 are skipped
+    assert np.array_equal(backend.to_numpy(mirror), want)

@@ -13,7 +13,7 @@ import pytest
 import cupykv
 from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
 from cupykv import staging
-from conftest import Capture
+from conftest import Capture, expected_tables
 
 TPB = 8
 
@@ -284,3 +284,57 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
             m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
             assert staging.pack_snapshot(old, *args, **kw) == words
         assert new.tobytes() == old.tobytes()
+
+
+# -- steps with no entries, and a step whose launch fails ------------------------------------------------
+
+@pytest.mark.parametrize("pad_to", [None, 3])
+def test_empty_step(backend_name, pad_to):
+    """A step with no entries (an idle step of a fixed-size consumer: padding only) is a valid step."""
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                            max_seq_len=256, max_batch=4, slots_per_group=64)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    mgr.add("a", 20)
+    s = mgr.prepare_batch({"a": 20})
+    s.finish()
+    mgr.settle(s)
+    empty = mgr.prepare_batch((), [], pad_to=pad_to)
+    empty.ready.synchronize()
+    assert empty.num_seqs == 0 and empty.num_tokens.sum() == 0
+    if pad_to:
+        assert (mgr.backend.to_numpy(mgr.out)[:, :pad_to] == BAD).all()
+    empty.finish()
+    mgr.settle(empty)
+    assert mgr.request("a").history == 20
+    s = mgr.prepare_batch((), ["a"])            # and the manager goes on
+    s.ready.synchronize()
+    got = mgr.backend.to_numpy(mgr.out)[:, :1]
+    assert np.array_equal(got, expected_tables(mgr, mgr.table.copy(), s))
+
+
+def test_failed_launch_forces_a_full_step(monkeypatch):
+    """If enqueueing a step's device work raises, the changed cells are not lost and the next step rewrites
+    whole rows (the output may hold a partly built step), whatever its batch."""
+    mgr = make_mgr(windows=(16, None))
+    for r in ("a", "b"):
+        mgr.add(r, 31)
+    s = mgr.prepare_batch({"a": 31, "b": 31})
+    s.finish()
+    mgr.settle(s)
+    s = mgr.prepare_batch((), ["a", "b"])
+    s.finish()
+    mgr.settle(s)
+    be = mgr.backend
+    real = be.build_step
+
+    def broken(*a, **k):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(be, "build_step", broken)
+    with pytest.raises(RuntimeError):
+        mgr.prepare_batch((), ["a", "b"])           # token 32 opens block 4: table cells change
+    monkeypatch.setattr(be, "build_step", real)
+    mgr.synchronize()
+    s = mgr.prepare_batch((), ["a", "b"])
+    assert s.mode == staging.MODE_FULL
+    s.ready.synchronize()
+    assert np.array_equal(be.to_numpy(mgr.out)[:, :2], expected_tables(mgr, mgr.table.copy(), s))

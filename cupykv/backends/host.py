@@ -180,8 +180,9 @@ class HostBackend:
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
             flat = mirror.reshape(-1)
-            for start, lo, hi in zip(s["run_start"], s["run_voff"][:-1], s["run_voff"][1:]):
-                flat[start:start + hi - lo] = s["values"][lo:hi]
+            cells = _delta_cells(s)
+            inside = (cells >= 0) & (cells < flat.size)      # the kernel skips cells outside the mirror
+            flat[cells[inside]] = s["values"][inside]
         stream.enqueue(run)
 
     def build_step(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, out: np.ndarray,
@@ -257,16 +258,23 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
                                             int(consts.group_scale[p]), int(consts.layer_koff[layer]) + r)
 
 
+def _delta_cells(s: dict) -> np.ndarray:
+    """The flat table cell of each delta value (run r covers values [run_voff[r], run_voff[r + 1]))."""
+    lengths = np.diff(s["run_voff"])
+    return (np.repeat(s["run_start"].astype(np.int64), lengths)
+            + (np.arange(len(s["values"])) - np.repeat(s["run_voff"][:-1], lengths)))
+
+
 def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
     """Only the changed cells of rows in the batch of the FULL step named by the header's epoch."""
     B, rows, max_batch = consts.max_blocks, consts.rows, out.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
-    lengths = np.diff(s["run_voff"])
-    cells = np.repeat(s["run_start"], lengths) + (np.arange(len(s["values"])) - np.repeat(s["run_voff"][:-1], lengths))
-    for cell, base in zip(cells.tolist(), s["values"].tolist()):
+    for cell, base in zip(_delta_cells(s).tolist(), s["values"].tolist()):
         p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
+        if cell < 0 or p >= consts.num_groups:
+            continue
         epoch, k = row_entry[row]
-        if p >= consts.num_groups or epoch != s["epoch"] or not 0 <= k < n:
+        if epoch != s["epoch"] or not 0 <= k < n:
             continue
         scale = int(consts.group_scale[p])
         planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
