@@ -22,7 +22,7 @@ for name in ("copy_h2d", "apply_deltas", "build_step", "wait"):
     setattr(be, name, noop)
 be.record = lambda stream: _DoneEvent()
 LP = None
-times = {"decode": [], "steady": [], "sched": []}
+times = {"decode": [], "steady": [], "sched": [], "settle": []}
 def step(i, record=True):
     pos = wl.pre_churn_decode_only(i)
     t0 = time.perf_counter()
@@ -32,16 +32,23 @@ def step(i, record=True):
     s = mgr.prepare_batch(contexts=ctx, generation=gen)
     if LP is not None and case == "decode": LP.disable_by_count()
     t2 = time.perf_counter()
-    s.finish(); mgr.settle(s)
+    s.finish()
+    mgr.settle(s)
+    t3 = time.perf_counter()
     if record:
         times[case].append(t2 - t1)
-        if case == "decode": times["sched"].append(t1 - t0)
+        if case == "decode":
+            times["sched"].append(t1 - t0)
+            times["settle"].append(t3 - t2)
 for i in range(10): step(i, False)
 if "--lines" in sys.argv:
     from line_profiler import LineProfiler
     import cupykv.manager as m
     lp = LP = LineProfiler()
-    for f in (m.KVCacheManager.prepare_batch, m.KVCacheManager._plan, m.KVCacheManager._commit, m.KVCacheManager._enqueue, m.KVCacheManager.free):
+    import cupykv.allocator as al
+    for f in (m.KVCacheManager.prepare_batch, m.KVCacheManager._plan, m.KVCacheManager._commit,
+              m.KVCacheManager._launch, m.KVCacheManager._poll, m.KVCacheManager._plan_generation,
+              m.KVCacheManager._check_gen_ids, al.SlotPool.reclaim):
         lp.add_function(f)
     for i in range(10, 50): step(i)
     lp.print_stats(output_unit=1e-6, stripzeros=True)
