@@ -267,9 +267,14 @@ class KVCacheManager:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self._request(rid)
         tag = self._last_prepared
+        B = self.layout.max_blocks
         for p, pool in enumerate(self.pools):
-            held = np.flatnonzero(self.table[p, req.row] != BAD)
-            self._release_cells(p, np.full(len(held), req.row), held, tag)
+            row = self.table[p, req.row]                    # a view of the request's table row
+            held = np.flatnonzero(row != BAD)
+            if len(held):
+                pool.release(row[held], tag)
+                row[held] = BAD
+                self._dirty.append(held + (self._group_off[p] + req.row * B))
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
