@@ -267,14 +267,10 @@ class KVCacheManager:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self._request(rid)
         tag = self._last_prepared
-        B = self.layout.max_blocks
-        for p, pool in enumerate(self.pools):
-            row = self.table[p, req.row]                    # a view of the request's table row
-            held = np.flatnonzero(row != BAD)
-            if len(held):
-                pool.release(row[held], tag)
-                row[held] = BAD
-                self._dirty.append(held + (self._group_off[p] + req.row * B))
+        row_start = req.row * self.layout.max_blocks
+        for p in range(len(self.pools)):
+            held = np.flatnonzero(self.table[p, req.row] != BAD)
+            self._release_flat(p, held + (self._group_off[p] + row_start), tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
@@ -561,7 +557,7 @@ class KVCacheManager:
             step.ready = be.record(st)
             return
         step.mode = MODE_DELTA if self._steady(step) else MODE_FULL
-        values = self.table.reshape(-1)[cells]
+        values = self._table_flat[cells]
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self._epoch)
@@ -727,9 +723,12 @@ class KVCacheManager:
     # -- slots and cells -------------------------------------------------------------------------
     def _release_cells(self, p: int, rows: np.ndarray, blocks: np.ndarray, tag: int) -> None:
         """Quarantine the slots held at table[p, rows, blocks] and clear those cells."""
-        if len(blocks) == 0:
+        self._release_flat(p, rows * self.layout.max_blocks + (blocks + self._group_off[p]), tag)
+
+    def _release_flat(self, p: int, cells: np.ndarray, tag: int) -> None:
+        """Quarantine the slots held at these flat cells of group p's table and clear the cells."""
+        if len(cells) == 0:
             return
-        cells = rows * self.layout.max_blocks + (blocks + self._group_off[p])
         vals = self._table_flat[cells]
         if vals.min() == BAD:       # scratch blocks of a chunk never got a slot of their own (slots are >= 0)
             held = vals != BAD
@@ -828,7 +827,7 @@ class KVCacheManager:
         ok = np.ones(mirror.size, bool)
         if self._dirty:
             ok[np.concatenate(self._dirty)] = False
-        bad = np.flatnonzero(ok & (mirror != self.table.reshape(-1)))
+        bad = np.flatnonzero(ok & (mirror != self._table_flat))
         if len(bad):
             raise AssertionError(f"device mirror differs from the host table at {len(bad)} cells, "
                                  f"first flat index {int(bad[0])}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
-# Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize] [sanitize-graphs]
+# Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [breakdown] [segments] [examples] [bench] [profile]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -22,12 +22,6 @@ for part in $parts; do
         run "sanitizer_$tool" timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 99 \
             python3 -m pytest tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py -q \
             -p no:cacheprovider -k "(cuda and exact) or (cuda and not kernels_match) or graph"
-      done ;;
-    sanitize-graphs)   # graph capture and the race tests, each tool over the whole set (no -x)
-      for tool in memcheck racecheck; do
-        run "sanitizer_$tool" timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-            python3 -m pytest tests/test_graphs.py tests/test_races.py -q -p no:cacheprovider \
-            -k "cuda or graph" --durations=8
       done ;;
     breakdown)   # per-kernel device time under Nsight Compute, three shapes, into one log
       for cfg in "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs" "gpt-oss-20b 32768 1" \
@@ -54,7 +48,7 @@ for part in $parts; do
     bench)   # bench.md and bench.json come back; the plot is made from bench.json where matplotlib is
       run bench timeout ${BENCH_TIMEOUT:-300} python3 -m cupykv.bench --out /tmp/bench_out --no-plot ${BENCH_ARGS:-}
       cp /tmp/bench_out/bench.md /tmp/bench_out/bench.json "$OUT"/ 2>/dev/null ;;
-    profile) run profile timeout 60 python3 scripts/profile_host.py 256 ;;
+    profile) run host_calls timeout 60 python3 scripts/host_calls.py 256 ;;
   esac
 done
 exit $rc
