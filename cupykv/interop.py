@@ -122,8 +122,7 @@ def write_positions_to_torch(step, stream=None, trim: bool = True) -> Tuple[obje
     """(pages [L, n], offsets [n]) int32 tensors: K page index of each new token per layer (V = K + 1) and
     its position in the page, batch order; n = sum(step.num_tokens). trim=False gives the full fixed-address
     buffers ([L, max_step_tokens], [max_step_tokens]; the first n entries valid)."""
-    mgr = step.manager
-    pages, offsets = mgr.write_pages, mgr.write_offsets
+    pages, offsets = step.write_pages, step.write_offsets
     if trim:
         n = int(np.sum(step.num_tokens))
         pages, offsets = pages[:, :n], offsets[:n]
@@ -142,8 +141,7 @@ def pages_to_torch(storage, group: int, step_or_event=None, stream=None):
 def finish_on_torch(step, stream=None) -> None:
     """step.finish() recorded on a torch stream (default: torch's current stream): the consumer's last
     read of the step's buffers is enqueued there."""
-    be = step.manager.backend
-    if be.xp is np:
+    if step.backend.xp is np:
         step.finish()
         return
     torch = _torch()
@@ -163,7 +161,7 @@ class CsrBuffers:
     def __init__(self, manager):
         be, spec = manager.backend, manager.spec
         B = manager.layout.max_blocks
-        self.manager = manager
+        self.outputs = manager.outputs        # the step outputs these buffers serve (csr_views checks)
         self.indptr = be.device_full((spec.max_batch + 1,), 0, np.int32)
         self.indices = be.device_full((spec.max_batch * B + 1,), BAD, np.int32)
         self.last_page_len = be.device_full((spec.max_batch,), 0, np.int32)
@@ -259,12 +257,11 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     """
     if (group is None) == (layer is None):
         raise InvalidRequestError("csr_views: give exactly one of group= or layer=")
-    mgr = step.manager
-    if mgr.latest_step is not step:
+    if not step.is_current:
         raise StepOrderError(f"csr_views: step {step.id} is not the latest prepared step; its tables were "
                              "overwritten by a later prepare_batch")
-    lay, be = mgr.layout, mgr.backend
-    shared = mgr.spec.table_mode == "shared"
+    lay, be = step.layout, step.backend
+    shared = lay.spec.table_mode == "shared"
     if layer is not None:
         if not 0 <= int(layer) < lay.num_layers:
             raise InvalidRequestError(f"csr_views: layer {layer} out of range [0, {lay.num_layers})")
@@ -288,7 +285,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     seq_lens = np.asarray(step.start_positions, np.int64) + np.asarray(step.num_tokens, np.int64)
     last_host = ((seq_lens - 1) % tpb + 1).astype(np.int32)
     if buffers is not None:
-        if buffers.manager is not mgr:
+        if buffers.outputs is not step.outputs:
             raise InvalidRequestError("csr_views: buffers belong to another manager")
         indptr, indices, last = buffers.indptr[:n + 1], buffers.indices, buffers.last_page_len[:n]
     else:
@@ -299,7 +296,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
             indptr = np.zeros(n + 1, np.int32)
             indices = np.full(n * B + 1, BAD, np.int32)
             last = np.zeros(n, np.int32)
-        out = mgr.out
+        out = step.tables
 
         def run():     # on the simulated manager stream: reads the tables when it runs, as a kernel does
             _compact(np, out[plane, :n, 0, :], koff, indptr, indices)
@@ -314,7 +311,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
                 indptr = cupy.zeros(n + 1, np.int32)
                 indices = cupy.full(n * B + 1, BAD, np.int32)
                 last = cupy.zeros(n, np.int32)
-            _compact(cupy, mgr.out[plane, :n, 0, :], koff, indptr, indices)
+            _compact(cupy, step.tables[plane, :n, 0, :], koff, indptr, indices)
         be.upload_async(last_host, st, out=last)
         pending, ready = be.download_async(indptr, st)
     views = CsrViews(step, kind, index, indptr, indices[:-1], last, last_host, seq_lens, ready, pending)

@@ -24,7 +24,7 @@ from .errors import (CapacityExceededError, DuplicateRequestError, InvalidReques
 from .layout import BAD, Layout
 from .spec import CacheSpec
 from .staging import MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, snapshot_words
-from .step import Step
+from .step import Step, StepOutputs
 
 RequestId = Hashable
 STAGING_MODES = ("snapshot", "unsafe")
@@ -227,6 +227,7 @@ class KVCacheManager:
         # Where each new token's K/V goes: K page index per layer (V is K + 1) and position in the page.
         self.write_pages = be.device_full((lay.num_layers, spec.step_token_capacity), BAD, np.int32)
         self.write_offsets = be.device_full((spec.step_token_capacity,), 0, np.int32)
+        self.outputs = StepOutputs(self.out, self.write_pages, self.write_offsets)
         self.ring = SnapshotRing(be, snapshot_words(rows, 0, P, 0, 64, 1024), ring_slots, max_ring_slots,
                                  staging_timeout_s)
         self._unsafe_dev = None
@@ -477,13 +478,14 @@ class KVCacheManager:
             starts = self._cap[rows]
             self._cap[rows] = starts + tokens
         self._last_scheduled[rows] = step_id
-        step = Step(self, step_id, plan["ctx_ids"] + plan["gen_ids"], rows32, incarnations, tokens, starts, C)
+        step = Step(step_id, plan["ctx_ids"] + plan["gen_ids"], rows32, incarnations, tokens, starts, C,
+                    layout=self.layout, backend=self.backend, outputs=self.outputs, owner=self,
+                    pad_to=plan["pad_to"], moves=self._free_epoch)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
-        step.pad_to = plan["pad_to"]
-        step.free_epoch = self._free_epoch
         self._enqueue(step, plan["ring_slot"])
         self._next_step_id += 1
         self._last_step = step
+        self.outputs.holder = step.id
         self._in_flight.append(step)
         self._unsettled.append(step)
         if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
@@ -619,7 +621,7 @@ class KVCacheManager:
         quarantined until the steps that may read them have finished. Requests freed since the step was
         prepared are skipped.
         """
-        if getattr(step, "manager", None) is not self:
+        if getattr(step, "owner", None) is not self:
             raise StepOrderError("this step belongs to another manager (or is not a Step)")
         if step.settled:
             raise StepOrderError(f"step {step.id} is already settled")
@@ -629,7 +631,7 @@ class KVCacheManager:
         acc = self._accepted(step, accepted)
         rows = step.rows.astype(np.int64)
         # Only free() changes a row's tenant: when nothing was freed since the prepare, every entry is live.
-        all_live = step.free_epoch == self._free_epoch
+        all_live = step.moves == self._free_epoch
         if all_live and (accepted is None or np.array_equal(acc, step.num_tokens)):
             self._settle_accepted(step, rows, acc)
         else:

@@ -119,9 +119,9 @@ class KVStorage:
         Tokens whose write page is BAD or out of range are skipped and counted (see errors()).
         """
         mgr = self.manager
-        if mgr is None or getattr(step, "manager", None) is not mgr:
+        if mgr is None or getattr(step, "outputs", None) is not mgr.outputs:
             raise StepOrderError("KVStorage.write: the step must come from the manager this storage was made for")
-        if mgr.latest_step is not step:
+        if not step.is_current:
             raise StepOrderError(f"KVStorage.write: step {step.id} is not the latest prepared step; its write "
                                  "positions were overwritten by a later prepare_batch")
         if not 0 <= int(layer) < self.layout.num_layers:
@@ -138,8 +138,8 @@ class KVStorage:
         if st is not be.stream:
             be.wait(st, step.ready)
         dst = self.layer_pages(layer)
-        pages = mgr.write_pages[layer]
-        offsets = mgr.write_offsets
+        pages = step.write_pages[layer]
+        offsets = step.write_offsets
         if self.xp is np:
             self._write_host(st, pages, offsets, k, v, dst, n)
             return
@@ -168,7 +168,6 @@ class KVStorage:
         """Read back K/V of the step's new tokens for one layer from their write positions:
         ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD). Ordered on `stream` (default the manager stream)
         after the work already enqueued there; on the host backend this waits for it."""
-        mgr = self.manager
         be = self.backend
         n = int(np.sum(step.num_tokens))
         st = be.stream if stream is None else stream
@@ -177,12 +176,12 @@ class KVStorage:
         # undefined (index -1 reads the last page).
         if self.xp is np:
             st.synchronize()
-            p = mgr.write_pages[int(layer), :n].astype(np.int64)
-            o = mgr.write_offsets[:n].astype(np.int64)
+            p = step.write_pages[int(layer), :n].astype(np.int64)
+            o = step.write_offsets[:n].astype(np.int64)
             return dst[p, o].copy(), dst[p + 1, o].copy()
         with st:
-            p = mgr.write_pages[int(layer), :n]
-            o = mgr.write_offsets[:n]
+            p = step.write_pages[int(layer), :n]
+            o = step.write_offsets[:n]
             return dst[p, o], dst[p + 1, o]
 
     def errors(self) -> int:
