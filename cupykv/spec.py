@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .args import as_count, is_count
 from .errors import InvalidSpecError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -16,13 +17,28 @@ def _fail(name: str, value, why: str) -> None:
     raise InvalidSpecError(f"CacheSpec.{name}={value!r}: {why}")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+def _count(name: str, value, minimum: int) -> int:
+    """A count field as a Python int (numpy integers too; bools and floats are refused)."""
+    return as_count(value, f"CacheSpec.{name}", minimum=minimum, error=InvalidSpecError)
 
 
-def _positive_int(name: str, value) -> None:
-    if not _is_int(value) or value <= 0:
-        _fail(name, value, "must be a positive int")
+def _counts(name: str, value, minimum: int, what: str) -> tuple:
+    """A sequence field as a tuple of Python ints, each >= minimum; `what` names one entry ("layer")."""
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = None
+    if items is None:
+        _fail(name, value, f"must be an int >= {minimum} or a sequence of them")
+    for i, v in enumerate(items):
+        if not is_count(v) or v < minimum:
+            _fail(name, value, f"{what} {i} has {v!r}; use an int >= {minimum}")
+    return tuple(int(v) for v in items)
+
+
+def _choice(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        _fail(name, value, f"must be one of {sorted(choices)}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,9 @@ class CacheSpec:
     table_mode: "per_layer" (out[L, max_batch, 2, B]) or "shared" (out[groups, max_batch, 2, B]).
     max_step_tokens: the most new tokens one step may schedule (sizes the fixed write-position
         buffers); None means 8192 prefill tokens plus max_batch * (1 + max_rewind) decode tokens.
+
+    Counts may be Python or numpy integers (never bools or floats); the spec holds them as Python ints,
+    and windows, and sink_tokens and slots_per_group given per layer or group, as tuples of them.
     """
 
     windows: Sequence[Optional[int]]
@@ -62,32 +81,42 @@ class CacheSpec:
     windows_tuple: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        windows = tuple(self.windows) if self.windows is not None else ()
-        if len(windows) == 0:
+        put = lambda name, value: object.__setattr__(self, name, value)   # noqa: E731 - frozen dataclass
+        try:
+            windows = tuple(self.windows)
+        except TypeError:
+            windows = ()
+        if not windows:
             _fail("windows", self.windows, "needs one entry per layer (None = full attention)")
         for i, w in enumerate(windows):
-            if w is not None and (not _is_int(w) or w <= 0):
+            if w is not None and (not is_count(w) or w <= 0):
                 _fail("windows", self.windows, f"layer {i} has window {w!r}; use a positive int or None")
-        object.__setattr__(self, "windows_tuple", windows)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
-        if self.dtype not in DTYPE_BYTES:
-            _fail("dtype", self.dtype, f"must be one of {sorted(DTYPE_BYTES)}")
-        _positive_int("tokens_per_block", self.tokens_per_block)
-        if self.tokens_per_block & (self.tokens_per_block - 1):
+        windows = tuple(None if w is None else int(w) for w in windows)
+        put("windows", windows)
+        put("windows_tuple", windows)
+        put("num_kv_heads", _count("num_kv_heads", self.num_kv_heads, 1))
+        put("head_dim", _count("head_dim", self.head_dim, 1))
+        _choice("dtype", self.dtype, DTYPE_BYTES)
+        tpb = _count("tokens_per_block", self.tokens_per_block, 1)
+        if tpb & (tpb - 1):
             _fail("tokens_per_block", self.tokens_per_block, "must be a power of two")
-        _positive_int("max_seq_len", self.max_seq_len)
-        _positive_int("max_batch", self.max_batch)
-        sinks = self.sinks_per_layer()
-        for i, s in enumerate(sinks):
-            if not _is_int(s) or s < 0:
-                _fail("sink_tokens", self.sink_tokens, f"layer {i} has {s!r}; use an int >= 0")
-        if not _is_int(self.max_rewind) or self.max_rewind < 0:
-            _fail("max_rewind", self.max_rewind, "must be an int >= 0")
+        put("tokens_per_block", tpb)
+        put("max_seq_len", _count("max_seq_len", self.max_seq_len, 1))
+        put("max_batch", _count("max_batch", self.max_batch, 1))
+        if is_count(self.sink_tokens):
+            put("sink_tokens", _count("sink_tokens", self.sink_tokens, 0))
+        else:
+            sinks = _counts("sink_tokens", self.sink_tokens, 0, "layer")
+            if len(sinks) != len(windows):
+                _fail("sink_tokens", self.sink_tokens, f"needs {len(windows)} entries, one per layer")
+            put("sink_tokens", sinks)
+        put("max_rewind", _count("max_rewind", self.max_rewind, 0))
         if self.max_step_tokens is not None:
-            _positive_int("max_step_tokens", self.max_step_tokens)
-        if self.table_mode not in TABLE_MODES:
-            _fail("table_mode", self.table_mode, f"must be one of {TABLE_MODES}")
+            put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
+        _choice("table_mode", self.table_mode, TABLE_MODES)
+        if not isinstance(self.swa_scratch_reuse, (bool, np.bool_)):
+            _fail("swa_scratch_reuse", self.swa_scratch_reuse, "must be a bool")
+        put("swa_scratch_reuse", bool(self.swa_scratch_reuse))
         if self.table_mode == "shared" and self.swa_scratch_reuse and any(w is not None for w in windows):
             _fail("swa_scratch_reuse", self.swa_scratch_reuse,
                   "scratch pages alias across layers, which SHARED tables cannot express; "
@@ -95,24 +124,22 @@ class CacheSpec:
         if self.slots_per_group is None and self.memory_bytes is None:
             _fail("slots_per_group", None, "give slots_per_group or memory_bytes")
         if self.memory_bytes is not None:
-            _positive_int("memory_bytes", self.memory_bytes)
+            put("memory_bytes", _count("memory_bytes", self.memory_bytes, 1))
         spg = self.slots_per_group
-        if spg is not None:
-            for v in ([spg] if _is_int(spg) else list(spg)):
-                if not _is_int(v) or v <= 0:
-                    _fail("slots_per_group", spg, "every entry must be a positive int")
+        if is_count(spg):
+            put("slots_per_group", _count("slots_per_group", spg, 1))
+        elif spg is not None:
+            put("slots_per_group", _counts("slots_per_group", spg, 1, "group"))
 
     @property
     def num_layers(self) -> int:
         return len(self.windows_tuple)
 
     def sinks_per_layer(self) -> tuple:
-        if _is_int(self.sink_tokens):
+        """Sink tokens of every layer (a tuple of ints, one per layer)."""
+        if isinstance(self.sink_tokens, int):
             return (self.sink_tokens,) * len(self.windows_tuple)
-        sinks = tuple(self.sink_tokens)
-        if len(sinks) != len(self.windows_tuple):
-            _fail("sink_tokens", self.sink_tokens, f"needs {len(self.windows_tuple)} entries, one per layer")
-        return sinks
+        return self.sink_tokens
 
     @property
     def step_token_capacity(self) -> int:
