@@ -20,11 +20,12 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 
 from .errors import StagingExhaustedError
+from .layout import BAD
 
 H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
 H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF = range(6, 12)
@@ -37,6 +38,20 @@ HEADER_WORDS = 20          # word 19 is spare, zero
 # H_MODE: FULL rewrites the batch's rows of the output; DELTA (same batch as the previous step, row for
 # row, no contexts in either) rewrites only the output cells whose table entry changed.
 MODE_FULL, MODE_DELTA = 0, 1
+
+
+def kernel_constants() -> Dict[str, int]:
+    """The snapshot layout as the step kernels see it: every header word index (H_*), HEADER_WORDS,
+    MODE_FULL / MODE_DELTA and BAD, by name. This module (and layout.py for BAD) is their only definition."""
+    header = sorted((value, name) for name, value in globals().items() if name.startswith("H_"))
+    return {**{name: value for value, name in header}, "HEADER_WORDS": HEADER_WORDS,
+            "MODE_FULL": MODE_FULL, "MODE_DELTA": MODE_DELTA, "BAD": BAD}
+
+
+def cuda_constants() -> str:
+    """kernel_constants() as CUDA C++ (`constexpr int NAME = value;`, one a line), which the CUDA backend
+    prepends to cupykv/kernels/step.cu: the kernels read the header through these names and define none."""
+    return "".join(f"constexpr int {name} = {int(value)};\n" for name, value in kernel_constants().items())
 
 
 def runs_from_cells(cells: np.ndarray):

@@ -1,16 +1,17 @@
-"""Compile-check cupykv/kernels/pipeline.cu with NVRTC; needs no GPU (cupy.RawModule would).
+"""Compile-check the CUDA kernel modules with NVRTC; needs no GPU (cupy.RawModule would).
+
+Each module is compiled from cupykv.kernels.module_source(name), the exact source the CUDA backend loads:
+the constants the kernels share with Python (the snapshot header layout of staging.py, BAD, the block
+size) are generated from the Python values and prepended, so no test keeps two copies of them equal;
+instead these tests check that no .cu file defines one of them itself.
 
 Runs in CI wherever CuPy and an NVRTC wheel are installed; skips, saying why, where they are not.
 """
 import re
-from pathlib import Path
 
 import pytest
 
-from cupykv import staging
-
-SOURCE = Path(__file__).resolve().parent.parent / "cupykv" / "kernels" / "pipeline.cu"
-KERNELS = ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_write_kv_u16", "cupykv_write_kv_u32", "cupykv_gate")
+from cupykv import kernels, layout, staging
 
 
 def _is_missing_library(exc: BaseException) -> bool:
@@ -19,39 +20,93 @@ def _is_missing_library(exc: BaseException) -> bool:
     return any(cls.__name__ == "DynamicLibNotFoundError" for cls in type(exc).__mro__)
 
 
-def _compile_ptx(source: str) -> str:
+def _compile(source: str, name: str):
+    """(True, PTX) or (False, compiler log)."""
     try:
         from cupy.cuda import nvrtc
     except ImportError as exc:
         pytest.skip(f"cupy is not importable ({exc}); install cupy-cuda12x to compile-check the kernels")
     try:
-        prog = nvrtc.createProgram(source, "pipeline.cu", [], [])
+        prog = nvrtc.createProgram(source, name, [], [])
     except Exception as exc:
         if _is_missing_library(exc):
             pytest.skip(f"no NVRTC library ({exc}); install nvidia-cuda-nvrtc-cu12 to compile-check the kernels")
         raise
     try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
+        nvrtc.compileProgram(prog, ["-arch=compute_90", *kernels.OPTIONS])
     except Exception as exc:
         if _is_missing_library(exc):
             pytest.skip(f"no NVRTC library ({exc}); install nvidia-cuda-nvrtc-cu12 to compile-check the kernels")
-        pytest.fail(f"pipeline.cu does not compile: {exc}\n{nvrtc.getProgramLog(prog)}")
+        return False, f"{exc}\n{nvrtc.getProgramLog(prog)}"
     ptx = nvrtc.getPTX(prog)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    return True, ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
-def test_pipeline_compiles_with_nvrtc():
-    ptx = _compile_ptx(SOURCE.read_text())
-    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    for name in KERNELS:
-        # extern "C": the PTX entry is the plain name, which is what RawModule.get_function looks up
-        assert name in entries, f"kernel {name} missing from the PTX entries {sorted(entries)}"
+def _entries(ptx: str) -> dict:
+    """PTX entry name -> the directives between its parameter list and its body (.maxntid and the like)."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"\.entry\s+(\w+)\s*\([^)]*\)([^{]*)\{", ptx)}
 
 
-def test_header_indices_match_staging():
-    """The kernels read the snapshot header by index; the indices must be staging.py's."""
-    found = dict(re.findall(r"constexpr int (H_\w+) = (\d+);", SOURCE.read_text()))
-    expected = {name: getattr(staging, name) for name in dir(staging) if name.startswith("H_")}
-    assert expected, "staging.py defines no H_* header indices"
-    assert {k: int(v) for k, v in found.items()} == expected
-    assert max(expected.values()) < staging.HEADER_WORDS
+def _without_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+@pytest.mark.parametrize("module", sorted(kernels.MODULES))
+def test_module_compiles_with_nvrtc(module):
+    """What the backend loads compiles, and defines exactly its own kernels: the files split the kernels
+    by user, so none is in two modules and none is missing."""
+    ok, out = _compile(kernels.module_source(module), kernels.MODULES[module].file)
+    assert ok, f"{kernels.MODULES[module].file} does not compile as the backend loads it: {out}"
+    # extern "C": the PTX entry is the plain name, which is what RawModule.get_function looks up
+    assert set(_entries(out)) == set(kernels.MODULES[module].kernels)
+
+
+def test_build_step_launch_bound_is_the_launch_block_size():
+    """cupykv_build_step's __launch_bounds__ comes from kernels.STEP_THREADS, the block size the backend
+    launches it with; a launch with more threads than the bound would fail on the device."""
+    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
+    assert ok, ptx
+    bound = re.search(r"\.maxntid\s+(\d+)", _entries(ptx)["cupykv_build_step"])
+    assert bound is not None, "cupykv_build_step has no .maxntid: its __launch_bounds__ is gone"
+    assert int(bound.group(1)) == kernels.STEP_THREADS
+    from cupykv.backends import cuda     # importable without a GPU (cupy is, see the module docstring)
+    assert cuda.STEP_THREADS == kernels.STEP_THREADS
+
+
+def test_step_cu_relies_on_the_generated_constants():
+    """step.cu alone does not compile: it reads the header through names only the generated prelude
+    defines. If it compiled, the file would carry its own copy of them again."""
+    ok, log = _compile((kernels.KERNEL_DIR / "step.cu").read_text(), "step.cu")
+    assert not ok, "step.cu compiles without the generated constants: it defines them itself again"
+    assert "H_" in log or "STEP_THREADS" in log, log
+
+
+def test_no_cu_file_defines_a_shared_constant():
+    """No .cu file defines (constexpr, #define, enum or assignment) a name the backend generates, so
+    Python's value is the only one."""
+    generated = set(staging.kernel_constants()) | {"STEP_THREADS"}
+    files = sorted(kernels.KERNEL_DIR.glob("*.cu"))
+    assert {f.name for f in files} == {m.file for m in kernels.MODULES.values()}, "a .cu file no module loads"
+    for path in files:
+        text = _without_comments(path.read_text())
+        for name in generated:
+            definition = re.search(rf"#\s*define\s+{name}\b|\b{name}\s*=(?!=)|\b{name}\s*\{{", text)
+            assert definition is None, f"{path.name} defines {name} ({definition.group(0)!r})"
+
+
+def test_generated_constants_describe_a_valid_header():
+    """The generated lines are staging's header layout: every H_* word index once, each a distinct word
+    inside HEADER_WORDS (two names on one word would make a kernel read the wrong field), distinct modes,
+    and layout's BAD."""
+    lines = staging.cuda_constants().splitlines()
+    parsed = dict(re.fullmatch(r"constexpr int (\w+) = (-?\d+);", line).groups() for line in lines)
+    assert len(parsed) == len(lines), "a name is generated twice"
+    parsed = {name: int(value) for name, value in parsed.items()}
+    header = {name: getattr(staging, name) for name in dir(staging) if name.startswith("H_")}
+    assert header and {n: v for n, v in parsed.items() if n.startswith("H_")} == header
+    assert len(set(header.values())) == len(header), f"two header fields share a word: {header}"
+    assert all(0 <= v < staging.HEADER_WORDS for v in header.values())
+    assert parsed["HEADER_WORDS"] == staging.HEADER_WORDS
+    assert parsed["MODE_FULL"] != parsed["MODE_DELTA"]
+    assert parsed["BAD"] == layout.BAD
+

@@ -1,8 +1,8 @@
 """The CUDA backend: the step pipeline on CuPy streams, pinned memory and the RawKernels of
-cupykv/kernels/pipeline.cu.
+cupykv/kernels/ (step.cu, kv_write.cu, gate.cu; each its own module, see cupykv.kernels).
 
 Same interface as host.HostBackend (the reference version). Importing this module allocates nothing:
-streams, events, pinned memory and the kernel module are created by CudaBackend() or on first use, so the
+streams, events, pinned memory and kernel modules are created by CudaBackend() or on first use, so the
 package imports on machines without a GPU.
 """
 from __future__ import annotations
@@ -11,23 +11,19 @@ import ctypes
 import threading
 import time
 import weakref
-from pathlib import Path
-from typing import List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import cupy
 import cupyx
 import numpy as np
 from cupy.cuda import runtime
 
+from ..kernels import MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of, module_source
 from ..staging import MODE_DELTA, MODE_FULL
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "pipeline.cu"
-KERNEL_OPTIONS = ("-std=c++17",)
-
-# The step kernels (apply_deltas, build_step): threads per block, and grid caps. Every kernel grid-strides
-# and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks of 256 threads
-# per SM of an H200 is enough to keep its memory busy.
-STEP_THREADS = 256
+# The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
+# kernel grid-strides and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks
+# of 256 threads per SM of an H200 is enough to keep its memory busy.
 APPLY_MAX_BLOCKS = 1024
 APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pass
 TABLE_MAX_BLOCKS = 4096
@@ -113,6 +109,75 @@ def _new_gate_words() -> int:
         return _gate_words.pop()
 
 
+# Kernel loading. Under lazy loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2) a function
+# that cuModuleGetFunction returned may be only partially loaded: the driver finishes loading it when it is
+# first launched or when a graph containing it is instantiated, and that loading may synchronize the whole
+# context (CUDA Programming Guide, Lazy Loading: "Potential Hazards"). Done while another stream is held (a
+# test gate, a long consumer kernel), it blocks the host until that stream drains. cuFuncLoad (drivers of
+# CUDA 12.4 and later) finishes loading a function on request; CuPy does not wrap it, so ctypes calls it.
+_CU_FUNCTION_LOADING_STATE_LOADED = 1
+_CU_MODULE_LAZY_LOADING = 2
+_libcuda = None
+
+
+def _driver_function(name: str):
+    """A function of the CUDA driver library (the one CuPy loaded), or None where there is none."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = False
+        for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+            try:
+                _libcuda = ctypes.CDLL(lib)
+                break
+            except OSError:
+                continue
+    return getattr(_libcuda, name, None) if _libcuda else None
+
+
+def finish_loading(function_ptr: int, name: str = "?") -> bool:
+    """Finish loading a CUfunction now (cuFuncLoad). False where the driver has no cuFuncLoad: the function
+    then loads on its first launch or graph instantiation."""
+    load = _driver_function("cuFuncLoad")
+    if load is None:
+        return False
+    status = load(ctypes.c_void_p(function_ptr))
+    if status != 0:
+        raise RuntimeError(f"cuFuncLoad({name}) failed with CUresult {status}")
+    return True
+
+
+def function_loaded(function_ptr: int) -> Optional[bool]:
+    """Whether the driver has fully loaded a CUfunction (cuFuncIsLoaded); None where it cannot tell."""
+    is_loaded = _driver_function("cuFuncIsLoaded")
+    if is_loaded is None:
+        return None
+    state = ctypes.c_int(-1)
+    if is_loaded(ctypes.byref(state), ctypes.c_void_p(function_ptr)) != 0:
+        return None
+    return state.value == _CU_FUNCTION_LOADING_STATE_LOADED
+
+
+def module_loading_mode() -> Optional[str]:
+    """'lazy' or 'eager' (cuModuleGetLoadingMode, set by CUDA_MODULE_LOADING), None where unknown."""
+    get_mode = _driver_function("cuModuleGetLoadingMode")
+    mode = ctypes.c_int(0)
+    if get_mode is None or get_mode(ctypes.byref(mode)) != 0:
+        return None
+    return "lazy" if mode.value == _CU_MODULE_LAZY_LOADING else "eager"
+
+
+def pow2_buckets(lowest: int, cap: int) -> List[int]:
+    """The sizes a count in [1, cap] rounds up to: powers of two from the first one >= lowest, capped at
+    cap (the last bucket is cap itself)."""
+    cap = max(int(cap), 1)
+    size = 1 << max(int(lowest) - 1, 0).bit_length()
+    buckets = [min(size, cap)]
+    while size < cap:
+        size *= 2
+        buckets.append(min(size, cap))
+    return buckets
+
+
 def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
               num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
@@ -140,26 +205,35 @@ def _require_device(arr, name: str, align: int = 4) -> None:
 
 
 class CudaBackend:
-    """CuPy streams and events, pinned host buffers, and the pipeline RawKernels."""
+    """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
+
+    preload: compile (once per process; CuPy's disk cache after that) and fully load the step kernels now,
+    so that no prepare_batch, eager or graph-capturing, loads a kernel while other work holds the device
+    (see load_kernels). False defers every module to its first use.
+    """
 
     name = "cuda"
     xp = cupy
 
-    def __init__(self):
+    def __init__(self, preload: bool = True):
         self.device_id = cupy.cuda.Device().id
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # Made now, not at the first capture: that capture may come while another stream is held, and
+        # nothing that can wait for the device may run then.
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._streams: "weakref.WeakSet[cupy.cuda.Stream]" = weakref.WeakSet()
-        self._module: Optional[cupy.RawModule] = None
+        self._modules: Dict[str, Dict[str, cupy.RawKernel]] = {}
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
         self._memo_cache: dict = {}
         self._copy_ptrs: dict = {}
-        self._capture_stream: Optional[cupy.cuda.Stream] = None
         self._kernels: dict = {}
         self._clock_khz: Optional[int] = None
         # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
         # another stream); dropped once the event recorded after that work has completed. See keep_until.
         self._keep: List[tuple] = []
+        if preload:
+            self.load_kernels("step")
 
     # -- streams and events --------------------------------------------------------------------
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
@@ -179,10 +253,10 @@ class CudaBackend:
         """Enqueue a gate on `stream`: work enqueued after it runs only once gate.open() is called.
 
         While a gate spins, anything that synchronizes the device blocks the host until the gate opens or
-        times out: cudaFreeHost, and loading a kernel module (the first launch of any CuPy or torch kernel
-        in the process). Warm up every kernel the gated code uses before closing a gate.
+        times out: cudaFreeHost, and loading a kernel (the first launch of any CuPy or torch kernel in the
+        process, see load_kernels). Warm up every kernel the gated code uses before closing a gate.
         """
-        self._kernel("cupykv_gate")          # load the module now, before anything is held
+        self.load_kernels("gate")            # now, before anything is held
         ptr = _new_gate_words()
         gate = CudaGate(ptr)
         max_cycles = int(timeout_s * self._clock_rate_khz() * 1000)
@@ -328,35 +402,89 @@ class CudaBackend:
         words, apply_deltas, build_step.
 
         One graph per (buffers, mode, batch-size bucket, token bucket, copy-size bucket), captured on first
-        use. Every count comes from the snapshot header on the device and the grids are sized for the
-        buckets, so a replay is right for any step that fits them. A slot that grows gets new buffers and
-        so a new graph.
+        use unless capture_step_graphs() captured it up front. Every count comes from the snapshot header on
+        the device and the grids are sized for the buckets, so a replay is right for any step that fits
+        them. A slot that grows gets new buffers and so a new graph.
         """
+        key, buffers = self._graph_key(slot, mirror, out, row_entry, pages, offsets, consts, shared, mode,
+                                       seqs_bucket, tokens_bucket, copy_words)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture_step_graph(key, buffers, slot, mirror, out, row_entry, pages, offsets, consts,
+                                             shared, mode, seqs_bucket, tokens_bucket, copy_words)
+        graph.launch(stream)
+
+    def capture_step_graphs(self, slots: Iterable, mirror: cupy.ndarray, out: cupy.ndarray, row_entry: cupy.ndarray,
+                            pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
+                            seqs_buckets: Sequence[int], tokens_buckets: Sequence[int], min_copy_words: int = 1024,
+                            modes: Sequence[int] = (MODE_FULL, MODE_DELTA)) -> int:
+        """Capture now every step graph that these ring slots can need, so that prepare_batch only replays.
+
+        Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph
+        does not depend on the batch bucket). Copy buckets are the powers of two from min_copy_words, capped
+        at each slot's capacity (pow2_buckets), which is how the pipeline rounds a step's copy size; pass
+        the batch and token buckets the same way (pow2_buckets(1, max_batch), pow2_buckets(256, capacity)).
+        Call while nothing holds the device, e.g. when the manager is made. Graphs already captured are
+        skipped; returns how many were captured now. A slot added or grown later captures on first use.
+        """
+        captured = 0
+        for slot in slots:
+            for mode in modes:
+                for seqs in ((seqs_buckets[-1],) if int(mode) == MODE_DELTA else seqs_buckets):
+                    for tokens in tokens_buckets:
+                        for copy_words in pow2_buckets(min_copy_words, slot.capacity):
+                            args = (slot, mirror, out, row_entry, pages, offsets, consts, shared, mode, seqs, tokens,
+                                    copy_words)
+                            key, buffers = self._graph_key(*args)
+                            if key not in self._graphs:
+                                self._capture_step_graph(key, buffers, *args)
+                                captured += 1
+        return captured
+
+    @property
+    def num_step_graphs(self) -> int:
+        """Step graphs captured so far (each is kept for the life of the backend)."""
+        return len(self._graphs)
+
+    def _graph_key(self, slot, mirror, out, row_entry, pages, offsets, consts, shared, mode, seqs_bucket,
+                   tokens_bucket, copy_words):
         # The graph bakes in every buffer address, so all of them are in the key (a backend may serve
-        # several managers), and the graph keeps its buffers alive.
+        # several managers), and the graph keeps its buffers alive. A DELTA graph's grid does not depend on
+        # the batch size (step_grid), so one serves every batch bucket.
         buffers = (slot.host, slot.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
                    consts.d_layer_koff, consts.d_group_scale)
         addresses = self._memo("graph", buffers, lambda: tuple(_address(b) for b in buffers))
-        key = (addresses, slot.capacity, int(mode), int(seqs_bucket), int(tokens_bucket),
-               int(copy_words), bool(shared))
-        graph = self._graphs.get(key)
-        if graph is None:
-            for name in ("cupykv_apply_deltas", "cupykv_build_step"):
-                self._kernel(name)          # load the module before capturing (loading may not be captured)
-            if self._capture_stream is None:
-                self._capture_stream = cupy.cuda.Stream(non_blocking=True)
-            cs = self._capture_stream
-            cs.begin_capture()
-            try:
-                self.copy_h2d(slot.dev, slot.host, copy_words, cs)
-                self.apply_deltas(cs, slot.dev, mirror, consts, num_values=None)
-                self.build_step(cs, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode=mode,
-                                num_entries=seqs_bucket, num_values=None, num_tokens=tokens_bucket)
-            finally:
-                graph = cs.end_capture()
-            self._graphs[key] = graph
-            self._graph_buffers[key] = buffers
-        graph.launch(stream)
+        seqs = 0 if int(mode) == MODE_DELTA else int(seqs_bucket)
+        key = (addresses, slot.capacity, int(mode), seqs, int(tokens_bucket), int(copy_words), bool(shared))
+        return key, buffers
+
+    def _capture_step_graph(self, key, buffers, slot, mirror, out, row_entry, pages, offsets, consts, shared,
+                            mode, seqs_bucket, tokens_bucket, copy_words):
+        """Capture, instantiate and upload one step graph; nothing here waits for the device.
+
+        The kernels are fully loaded first (load_kernels): under lazy loading, instantiating a graph whose
+        kernels were never launched loads them, and loading may synchronize the context, which blocks
+        the host until every busy stream drains. The capture stream exists from construction and is idle,
+        so the upload (which sets up the graph's device resources) does not queue behind the manager
+        stream, and the first replay there only runs the graph.
+        """
+        self.load_kernels("step")
+        cs = self._capture_stream
+        # Relaxed: another thread of the process (a consumer allocating memory, say) may make any CUDA call
+        # while this capture runs; the stricter modes would make such calls fail. The capture itself makes
+        # only asynchronous calls: a copy from pinned memory and two launches.
+        cs.begin_capture(runtime.streamCaptureModeRelaxed)
+        try:
+            self.copy_h2d(slot.dev, slot.host, copy_words, cs)
+            self.apply_deltas(cs, slot.dev, mirror, consts, num_values=None)
+            self.build_step(cs, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode=mode,
+                            num_entries=seqs_bucket, num_values=None, num_tokens=tokens_bucket)
+        finally:
+            graph = cs.end_capture()
+        graph.upload(cs)
+        self._graphs[key] = graph
+        self._graph_buffers[key] = buffers
+        return graph
 
     def write_kv(self, stream: cupy.cuda.Stream, pages: cupy.ndarray, offsets: cupy.ndarray, k: cupy.ndarray,
                  v: cupy.ndarray, dst: cupy.ndarray, num_tokens: int, tokens_per_block: int,
@@ -442,13 +570,40 @@ class CudaBackend:
             hit = self._memo_cache[key] = (make(), buffers)
         return hit[0]
 
+    def load_kernels(self, *modules: str) -> None:
+        """Compile and fully load kernel modules now: 'step', 'kv_write', 'gate' (default: all of them).
+
+        Compiling happens once per process (CuPy keeps the binary on disk and the module in memory);
+        loading finishes each function on the device (finish_loading), which may synchronize the context:
+        call this while no stream of the process is held (before a gate, before long consumer work). A
+        module not loaded here is loaded on the first use of one of its kernels.
+        """
+        for name in modules or tuple(MODULES):
+            self._module_kernels(name)
+
+    def kernel_loading_state(self) -> dict:
+        """Diagnostics: {'mode': module_loading_mode(), 'kernels': {kernel: fully loaded?}} for the modules
+        this backend has loaded (None where the driver cannot tell)."""
+        kernels = {name: function_loaded(kernel.kernel.ptr)
+                   for loaded in self._modules.values() for name, kernel in loaded.items()}
+        return {"mode": module_loading_mode(), "kernels": kernels}
+
+    def _module_kernels(self, module: str) -> Dict[str, cupy.RawKernel]:
+        loaded = self._modules.get(module)
+        if loaded is None:
+            raw = cupy.RawModule(code=module_source(module), options=KERNEL_OPTIONS)
+            loaded = {}
+            for name in MODULES[module].kernels:
+                kernel = loaded[name] = raw.get_function(name)
+                finish_loading(kernel.kernel.ptr, name)
+            self._modules[module] = loaded
+        return loaded
+
     def _kernel(self, name: str) -> cupy.RawKernel:
-        """The named kernel of pipeline.cu; the module is compiled on first use (cached on disk by CuPy)."""
+        """The named kernel; its module is compiled and loaded on first use (load_kernels)."""
         kernel = self._kernels.get(name)
         if kernel is None:
-            if self._module is None:
-                self._module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=KERNEL_OPTIONS)
-            kernel = self._kernels[name] = self._module.get_function(name)
+            kernel = self._kernels[name] = self._module_kernels(module_of(name))[name]
         return kernel
 
     def _clock_rate_khz(self) -> int:

@@ -1,0 +1,62 @@
+"""The CUDA C++ kernels of the CUDA backend, one file per user, and the exact source of each module.
+
+- step.cu: the per-step device work (cupykv_apply_deltas, cupykv_build_step), run by the manager's pipeline.
+- kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
+- gate.cu: the test gate (cupykv_gate).
+
+backends/cuda.py compiles each file as its own CuPy RawModule. Constants that Python and a kernel both
+rely on are written in no .cu file: module_source() prepends them, generated from the Python values (the
+snapshot layout from staging.py, BAD from layout.py, the block size below). Importing this package needs
+neither CuPy nor a GPU, so tests compile exactly this source with NVRTC on machines without one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+from ..staging import cuda_constants
+
+KERNEL_DIR = Path(__file__).resolve().parent
+OPTIONS = ("-std=c++17",)
+
+# Threads per block of every step kernel launch; cupykv_build_step declares it as its __launch_bounds__,
+# and a launch with more threads than that would fail.
+STEP_THREADS = 256
+
+
+class KernelModule(NamedTuple):
+    file: str                                   # under cupykv/kernels/
+    kernels: Tuple[str, ...]                    # its extern "C" entry points
+    prelude: Optional[Callable[[], str]] = None  # generated definitions compiled in front of the file
+
+
+def _step_prelude() -> str:
+    return cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
+
+
+MODULES: Dict[str, KernelModule] = {
+    "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step"), _step_prelude),
+    "kv_write": KernelModule("kv_write.cu", ("cupykv_write_kv_u16", "cupykv_write_kv_u32")),
+    "gate": KernelModule("gate.cu", ("cupykv_gate",)),
+}
+
+_MODULE_OF = {kernel: name for name, module in MODULES.items() for kernel in module.kernels}
+
+
+def module_of(kernel: str) -> str:
+    """The name of the module (a key of MODULES) that defines `kernel`."""
+    try:
+        return _MODULE_OF[kernel]
+    except KeyError:
+        raise KeyError(f"no cupykv kernel named {kernel!r}; known: {sorted(_MODULE_OF)}") from None
+
+
+def module_source(name: str) -> str:
+    """The exact source the CUDA backend compiles for module `name` (a key of MODULES): the generated
+    definitions, if the module has any, then the file. The #line directive keeps compiler messages on the
+    file's own line numbers."""
+    module = MODULES[name]
+    text = (KERNEL_DIR / module.file).read_text()
+    if module.prelude is None:
+        return text
+    return f'{module.prelude()}#line 1 "{module.file}"\n{text}'

@@ -1,41 +1,20 @@
-// cupykv step pipeline kernels: apply table deltas to the device mirror, then build the page tables.
+// cupykv step kernels: apply table deltas to the device mirror, then build the page tables and the write
+// positions (cupykv_apply_deltas, cupykv_build_step).
 //
 // Every kernel reads its per-step counts from the snapshot header on the device, never from launch
 // arguments. That keeps launches identical from step to step (a CUDA graph can replay them with a grid
 // sized for capacity) and means a stale host-side hint can only change how much of the grid idles,
 // never what is computed.
 //
-// The contract these kernels implement is DESIGN.md section 3; cupykv/reference.py is the oracle and
-// cupykv/backends/host.py holds NumPy emulations of the same kernels.
-
-// Snapshot header word indices. They must match cupykv/staging.py (tests/test_kernel_compile.py checks).
-constexpr int H_STEP = 0;
-constexpr int H_NUM_RUNS = 1;
-constexpr int H_NUM_VALUES = 2;
-constexpr int H_NUM_SEQS = 3;
-constexpr int H_NUM_CONTEXTS = 4;
-constexpr int H_SCRATCH_WIDTH = 5;
-constexpr int H_OFF_COPY_IDX = 6;
-constexpr int H_OFF_BEGS = 7;
-constexpr int H_OFF_ENDS = 8;
-constexpr int H_OFF_SCRATCH = 9;
-constexpr int H_OFF_RUN_START = 10;
-constexpr int H_OFF_RUN_VOFF = 11;
-constexpr int H_OFF_VALUES = 12;
-constexpr int H_OFF_CU_TOKENS = 13;
-constexpr int H_OFF_START_POS = 14;
-constexpr int H_NUM_TOKENS = 15;
-constexpr int H_MODE = 16;
-constexpr int H_PAD_TO = 17;
-constexpr int H_EPOCH = 18;
-
-// H_MODE: how the step's conversion runs. FULL rewrites the batch's rows; DELTA (the batch is the previous
-// step's, row for row, and neither step has contexts) rewrites only the cells whose table entry changed.
-// H_EPOCH: the id of the FULL step whose batch this is (a FULL step's own id).
-constexpr int MODE_FULL = 0;
-constexpr int MODE_DELTA = 1;
-
-constexpr int BAD = -1;
+// The contract these kernels implement is "The conversion contract" in docs/design.md; cupykv/reference.py
+// is the oracle and cupykv/backends/host.py holds NumPy emulations of the same kernels.
+//
+// This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
+// HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL rewrites the batch's rows; DELTA, the
+// previous step's batch row for row with no contexts, rewrites only the cells whose table entry changed),
+// BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
+// cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
+// this file when it loads the module (cuda.module_source("step") is the exact source it compiles).
 
 // slot * scale + offset. Unsigned arithmetic so that an out-of-range product wraps exactly like the
 // reference's int64 -> int32 store instead of being undefined behaviour.
@@ -85,10 +64,10 @@ __device__ __forceinline__ int slot_entry(int base, int scale, int offset)
     return base == BAD ? BAD : page_index(base, scale, offset);
 }
 
-// Page index of block b for one layer and role (DESIGN.md section 3). Blocks outside [beg, end) use the
-// base slot; callers pass an empty range for generation entries, so only contexts take the scratch path.
-// slots is null when the step has no scratch columns; slot 0 is then used, as the host emulation does,
-// rather than reading whatever section follows in the snapshot.
+// Page index of block b for one layer and role (the conversion contract, docs/design.md). Blocks outside
+// [beg, end) use the base slot; callers pass an empty range for generation entries, so only contexts take
+// the scratch path. slots is null when the step has no scratch columns; slot 0 is then used, as the host
+// emulation does, rather than reading whatever section follows in the snapshot.
 __device__ __forceinline__ int per_layer_entry(int base, int b, int beg, int end, const int* slots,
                                                int scale, int offset)
 {
@@ -335,14 +314,12 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks)
 // build the tables (FULL or DELTA, as the header says); the rest write the positions. Both parts read only the
 // mirror and the snapshot, so they need no ordering between them. Every part grid-strides and reads its counts
 // from the header, so any grid is correct; the host sizes it for the step (or for a graph's bucket).
-extern "C" __global__ void __launch_bounds__(256) cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror,
-                                             int* __restrict__ out, int2* __restrict__ row_entry,
-                                             int* __restrict__ pages, int* __restrict__ offsets,
-                                             const int* __restrict__ layer_group,
-                                             const int* __restrict__ layer_koff,
-                                             const int* __restrict__ group_scale, int num_layers, int num_groups,
-                                             int rows, int max_batch, int B, int capacity, int tpb, int shared,
-                                             int table_blocks)
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
+                  int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
+                  const int* __restrict__ layer_group, const int* __restrict__ layer_koff,
+                  const int* __restrict__ group_scale, int num_layers, int num_groups, int rows, int max_batch,
+                  int B, int capacity, int tpb, int shared, int table_blocks)
 {
     const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
                      num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
@@ -363,64 +340,5 @@ extern "C" __global__ void __launch_bounds__(256) cupykv_build_step(const int* _
             full_tables<long long>(a, block, table_blocks, per_plane, total);
     } else {
         write_positions(a, block - table_blocks, static_cast<int>(gridDim.x) - table_blocks);
-    }
-}
-
-// KV storage writes (cupykv/storage.py): for each new token t < num_tokens, copy its K row (row = kv_heads *
-// head_dim elements) to dst[page_t, offset_t] and its V row to dst[page_t + 1, offset_t], where dst is the
-// group's page view [num_pages, tpb, row] and page_t = pages[t] (one layer's row of the write positions).
-// Elements are copied as raw 2- or 4-byte words, so one kernel serves float16, bfloat16 and float32.
-// A token whose page or offset is out of range (BAD included) is skipped and counted in *errors.
-template <typename T>
-__device__ __forceinline__ void write_kv(const int* __restrict__ pages, const int* __restrict__ offsets,
-                                         const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ dst,
-                                         int num_tokens, int row, int tpb, long long num_pages,
-                                         int* __restrict__ errors)
-{
-    const long long n = static_cast<long long>(num_tokens) * row;
-    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const long long t = i / row;
-        const long long e = i - t * row;
-        const long long page = pages[t];
-        const int off = offsets[t];
-        if (page < 0 || page + 1 >= num_pages || off < 0 || off >= tpb) {
-            if (e == 0)
-                atomicAdd(errors, 1);
-            continue;
-        }
-        dst[(page * tpb + off) * row + e] = k[i];
-        dst[((page + 1) * tpb + off) * row + e] = v[i];
-    }
-}
-
-extern "C" __global__ void cupykv_write_kv_u16(const int* pages, const int* offsets, const unsigned short* k,
-                                               const unsigned short* v, unsigned short* dst, int num_tokens,
-                                               int row, int tpb, long long num_pages, int* errors)
-{
-    write_kv<unsigned short>(pages, offsets, k, v, dst, num_tokens, row, tpb, num_pages, errors);
-}
-
-extern "C" __global__ void cupykv_write_kv_u32(const int* pages, const int* offsets, const unsigned int* k,
-                                               const unsigned int* v, unsigned int* dst, int num_tokens,
-                                               int row, int tpb, long long num_pages, int* errors)
-{
-    write_kv<unsigned int>(pages, offsets, k, v, dst, num_tokens, row, tpb, num_pages, errors);
-}
-
-// Test gate: holds the stream it runs on until the host writes a non-zero value into *flag (mapped
-// pinned memory), so race tests can order "copy enqueued" before "host rewrites the source" without
-// sleeps. The clock64() budget turns a test that forgets to open the gate into a failure the host can
-// see (*timed_out) instead of a GPU that never drains. Launch with one thread.
-extern "C" __global__ void cupykv_gate(volatile int* flag, int* timed_out, long long max_cycles)
-{
-    const long long start = clock64();
-    while (*flag == 0) {
-        if (clock64() - start > max_cycles) {
-            *reinterpret_cast<volatile int*>(timed_out) = 1;
-            // The host polls this word while the kernel may still be resident; push it out now.
-            __threadfence_system();
-            return;
-        }
     }
 }
