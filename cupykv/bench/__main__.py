@@ -1,4 +1,4 @@
-"""`python -m cupykv.bench`: the benchmark harness (see cupykv/bench/harness.py for what is measured).
+"""`python -m cupykv.bench`: the benchmark (see cupykv/bench/harness.py for what is measured).
 
 Default: the full matrix (3 shapes x 32k/128k x batch 1/64/256 x 0/8 context chunks) on the GPU,
 writing bench.json, bench.md (the README table) and bench.png (with matplotlib) to --out.
@@ -18,13 +18,18 @@ from .report import summary_text, write_outputs
 
 
 def _ints(text: str) -> List[int]:
+    """A comma list of integers, each with an optional k suffix (x 1024): "32k,128k" -> [32768, 131072].
+    ValueError names the part that is not one."""
     out = []
     for part in text.split(","):
         part = part.strip().lower()
         if not part:
             continue
         mult = 1024 if part.endswith("k") else 1
-        out.append(int(part[:-1] if mult > 1 else part) * mult)
+        digits = part[:-1] if mult > 1 else part
+        if not digits.isdigit():
+            raise ValueError(f"{part!r} is not a whole number (a k suffix multiplies by 1024)")
+        out.append(int(digits) * mult)
     return out
 
 
@@ -47,6 +52,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Settings:
     ap.add_argument("--smoke", action="store_true", help="tiny shape, few steps (CI; host backend)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch contenders")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    ap.add_argument("--no-shared", action="store_true",
+                    help="skip the SHARED-table rows (cupykv-shared and the per-group-peer contender)")
     ap.add_argument("--compile", action="store_true", help="with --smoke: run the torch.compile contender too")
     ap.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     ap.add_argument("--seed", type=int, default=0)
@@ -61,21 +68,28 @@ def parse_args(argv: Optional[List[str]] = None) -> Settings:
     else:
         d = dict(seqs=[32768, 131072], batches=[1, 64, 256], contexts=[0, 8], chunk=8192, steps=200, warmup=30,
                  tpb=32, backend="auto", compile=not a.no_compile)
-    seqs = _ints(a.seq) if a.seq else d["seqs"]
-    batches = _ints(a.batch) if a.batch else d["batches"]
-    contexts = _ints(a.contexts) if a.contexts is not None else d["contexts"]
-    if not seqs or not batches or not contexts or min(batches) < 1 or min(contexts) < 0:
+    lists = {}
+    for flag, text, default in (("--seq", a.seq, d["seqs"]), ("--batch", a.batch, d["batches"]),
+                                ("--contexts", a.contexts, d["contexts"])):
+        try:
+            lists[flag] = _ints(text) if text is not None else default
+        except ValueError as exc:
+            ap.error(f"{flag} {text!r}: {exc}")
+    seqs, batches, contexts = lists["--seq"], lists["--batch"], lists["--contexts"]
+    if not seqs or not batches or not contexts or min(seqs) < 1 or min(batches) < 1:
         ap.error("--seq, --batch and --contexts need positive values (contexts may be 0)")
+    if a.chunk is not None and a.chunk < 1:
+        ap.error(f"--chunk {a.chunk}: needs a positive number of tokens")
     steps = a.steps if a.steps is not None else d["steps"]
     warmup = a.warmup if a.warmup is not None else d["warmup"]
     if steps < 2 or warmup < 0:
         ap.error("--steps must be >= 2 and --warmup >= 0")
     argv_list = sys.argv[1:] if argv is None else list(argv)
     return Settings(shapes=shapes, seqs=seqs, batches=batches, contexts=contexts, steps=steps, warmup=warmup,
-                    chunk=a.chunk or d["chunk"], tpb=d["tpb"], backend=a.backend or d["backend"],
+                    chunk=a.chunk if a.chunk is not None else d["chunk"], tpb=d["tpb"], backend=a.backend or d["backend"],
                     torch=not a.no_torch, compile=d["compile"], seed=a.seed, out=a.out or None, smoke=a.smoke,
                     command=" ".join(["python -m cupykv.bench"] + [shlex.quote(x) for x in argv_list]),
-                    plot=not a.no_plot)
+                    plot=not a.no_plot, shared=not a.no_shared)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,6 +5,8 @@ import json
 import os
 from typing import List, Optional
 
+from .record import is_floor
+
 
 def _us(s: Optional[dict]) -> str:
     if not s:
@@ -26,7 +28,7 @@ def _ok(r: dict) -> str:
     if r.get("error") and not r.get("n"):
         return "n/a"
     if r["checked"] is None:
-        return "" if r["contender"] == "floor" else "not sampled"
+        return "" if is_floor(r) else "not sampled"
     return "yes" if r["checked"] else "NO"
 
 
@@ -97,6 +99,13 @@ def summary_text(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _tables(s: dict) -> str:
+    if "shared" not in s.get("table_modes", ()):
+        return "PER_LAYER tables"
+    return ("PER_LAYER tables (SHARED tables, without scratch reuse, for cupykv-shared, per-group-peer and "
+            "floor-shared)")
+
+
 def markdown(result: dict) -> str:
     m = result["meta"]
     v = m["versions"]
@@ -106,7 +115,7 @@ def markdown(result: dict) -> str:
         f"### Benchmark ({v.get('gpu', m['backend'])}, {m['date']})", "",
         f"Command: `{m['command']}`  ", f"Versions: {ver}  ",
         f"Settings: {s['warmup']} warm-up + {s['steps']} measured steps per configuration, tokens per block "
-        f"{s['tokens_per_block']}, context chunks of {s['chunk']} tokens, PER_LAYER tables, seed {s['seed']}.  ",
+        f"{s['tokens_per_block']}, context chunks of {s['chunk']} tokens, {_tables(s)}, seed {s['seed']}.  ",
         "host: the call's enqueue (no sync); device: GPU time between events around the step's work (the stream "
         "is held while the host enqueues); wall: call to ready event; floor: memcpyAsync + one launch (host), "
         "memset of the live output region (device).", "",

@@ -24,20 +24,21 @@ from ..errors import CupykvError
 
 BAD = -1
 
-__all__ = ["BAD", "FullSnapshotPath", "TorchUnavailableError", "convert_snapshot"]
+__all__ = ["BAD", "FullSnapshotPath", "TorchUnavailableError", "convert_snapshot", "require_torch"]
 
 
 class TorchUnavailableError(CupykvError, ImportError):
     """torch is needed for the snapshot-path contender and is not installed."""
 
 
-def _torch():
+def require_torch(who: str = "cupykv.bench.snapshot_path",
+                  what: str = "the contender is a torch re-implementation of the reference system's snapshot path"):
+    """The torch module, or TorchUnavailableError naming `who` needs it and why (`what`)."""
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise TorchUnavailableError(
-            "cupykv.bench.snapshot_path needs PyTorch (the contender is a torch re-implementation of the "
-            "reference system's snapshot path); install torch to use it. The rest of cupykv does not need "
+            f"{who} needs PyTorch ({what}); install torch to use it. The rest of cupykv does not need "
             f"torch. (import torch failed: {exc})") from exc
     return torch
 
@@ -97,7 +98,7 @@ class FullSnapshotPath:
     def __init__(self, num_layers: int, num_groups: int, rows: int, capacity: int, max_blocks: int,
                  layer_group, layer_koff, group_scale, max_scratch_width: int, device="cuda",
                  compile: bool = False):
-        torch = _torch()
+        torch = require_torch()
         self._t = torch
         L, P = int(num_layers), int(num_groups)
         self.num_layers, self.num_groups = L, P
