@@ -1,45 +1,19 @@
-"""Layer groups and the page math of DESIGN.md section 2.
+"""The layout of one spec: its layer groups (groups.py holds their block rules) and the page math of
+docs/design.md (section 2 of the design contract).
 
 Everything here is a pure function of the spec: no state, no allocation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 
 from .errors import InvalidSpecError
+from .groups import LayerGroup, cdiv, make_group
 from .spec import CacheSpec
 
 BAD = -1
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class LayerGroup:
-    """Layers that share a window and sink count, and so share one slot pool."""
-
-    index: int
-    window: Optional[int]        # None = full attention
-    sink_tokens: int
-    layers: Tuple[int, ...]      # model layer ids, in order
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def scale(self) -> int:
-        """Pages per slot: K and V of every layer of the group."""
-        return 2 * len(self.layers)
-
-    @property
-    def is_swa(self) -> bool:
-        return self.window is not None
 
 
 class Layout:
@@ -56,7 +30,8 @@ class Layout:
             by_key.setdefault(key, []).append(layer)
         # groups in order of their first layer, so group ids are deterministic
         self.groups: Tuple[LayerGroup, ...] = tuple(
-            LayerGroup(i, key[0], key[1], tuple(layers)) for i, (key, layers) in enumerate(by_key.items()))
+            make_group(i, key[0], key[1], tuple(layers), tokens_per_block=self.tpb, max_rewind=spec.max_rewind,
+                       scratch_reuse=spec.swa_scratch_reuse) for i, (key, layers) in enumerate(by_key.items()))
         self.num_layers = spec.num_layers
         self.layer_group = np.empty(self.num_layers, np.int32)
         self.layer_index = np.empty(self.num_layers, np.int32)   # position of the layer within its group
@@ -81,32 +56,18 @@ class Layout:
         """PER_LAYER page index of (slot, layer, role)."""
         return slot * int(self.group_scale[self.layer_group[layer]]) + self.layer_offset(layer, role)
 
+    # The block rules live on the groups; these spell them the way the rest of the code reads them.
     def sink_blocks(self, group: LayerGroup) -> int:
-        return cdiv(group.sink_tokens, self.tpb)
+        return group.sink_blocks
 
     def stale_range(self, group: LayerGroup, history: int) -> Tuple[int, int]:
-        """Blocks no future query can see once `history` tokens are settled: [lo, hi)."""
-        if group.window is None:
-            return (0, 0)
-        lo = self.sink_blocks(group)
-        return (lo, max(lo, (history + 1 - group.window) // self.tpb))
+        return group.stale_range(history)
 
     def scratch_range(self, group: LayerGroup, start: int, capacity: int) -> Tuple[int, int]:
-        """Blocks of a context chunk [start, capacity) that get scratch pages instead of own slots.
-
-        stale_range(capacity - max_rewind) ∩ [ceil(start / tpb), ceil(capacity / tpb)); `start` is the
-        sequence length before the chunk (the history when the previous chunk has settled).
-        Empty (0, 0) when scratch reuse is off or the group has full attention.
-        """
-        if not self.spec.swa_scratch_reuse or group.window is None:
-            return (0, 0)
-        lo, hi = self.stale_range(group, capacity - self.spec.max_rewind)
-        lo = max(lo, cdiv(start, self.tpb))
-        hi = min(hi, cdiv(capacity, self.tpb))
-        return (lo, hi) if lo < hi else (0, 0)
+        return group.scratch_range(start, capacity)
 
     def scratch_slots_needed(self, group: LayerGroup, num_scratch_blocks: int) -> int:
-        return cdiv(num_scratch_blocks * 2, group.scale)
+        return group.scratch_slots_needed(num_scratch_blocks)
 
     # -- sizing --------------------------------------------------------------------------------
     def slot_bytes(self, group: LayerGroup) -> int:

@@ -144,17 +144,21 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 
 
 def _twin_managers(monkeypatch):
-    """Two managers fed the same calls: `fast` as is, `slow` without the list cache and with the general
-    settle."""
+    """Two managers fed the same calls: `fast` as is, `slow` without the validated-list cache and with
+    settle checking every entry's liveness."""
     fast, slow = make_mgr(rewind=2), make_mgr(rewind=2)
-    orig_plan = slow._plan_generation
+    orig_batch, orig_settle = slow.requests.generation_batch, slow.settle
 
-    def uncached(gen_ids, ctx_rows, k):
-        slow._gen_batch = None
-        return orig_plan(gen_ids, ctx_rows, k)
+    def uncached(gen_ids, ctx_rows):
+        slow.requests._gen = None
+        return orig_batch(gen_ids, ctx_rows)
 
-    monkeypatch.setattr(slow, "_plan_generation", uncached)
-    monkeypatch.setattr(slow, "_settle_accepted", slow._settle_general)
+    def checking_settle(step, accepted=None):
+        step.moves = -1          # as if a request had moved since the prepare
+        return orig_settle(step, accepted)
+
+    monkeypatch.setattr(slow.requests, "generation_batch", uncached)
+    monkeypatch.setattr(slow, "settle", checking_settle)
     return fast, slow
 
 

@@ -1,0 +1,76 @@
+"""The step ledger: step ids, steps in flight and unsettled, the finish watermark, quarantine lifting.
+
+A slot released while steps may still read it is tagged with the id of the last step prepared so far
+(`last_prepared`) and returns to its pool once every step up to that id has finished. Steps finish in
+id order as far as the ledger is concerned: the watermark `finished_through` advances over the oldest
+in-flight steps whose finish events have completed, and never past one that has not.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from .allocator import SlotPool
+from .step import Step
+
+
+class StepLedger:
+    def __init__(self, pools: Sequence[SlotPool], timeout_s: float):
+        self.pools = pools
+        self.timeout_s = timeout_s
+        self.next_id = 0
+        self.finished_through = -1
+        self.in_flight: List[Step] = []        # prepared, finish event not yet complete, in id order
+        self.unsettled: List[Step] = []
+        self.latest: Optional[Step] = None     # the step whose outputs the buffers hold
+
+    @property
+    def last_prepared(self) -> int:
+        """The tag of a slot released now: steps up to this id may still read it."""
+        return self.next_id - 1
+
+    def record(self, step: Step) -> None:
+        """A step was prepared (its id is next_id)."""
+        self.next_id += 1
+        self.latest = step
+        self.in_flight.append(step)
+        self.unsettled.append(step)
+
+    def completed_count(self) -> int:
+        """How many in-flight steps, from the oldest on, have completed (observes; changes nothing)."""
+        k = 0
+        while k < len(self.in_flight) and self.in_flight[k].is_complete():
+            k += 1
+        return k
+
+    def available(self, p: int) -> int:
+        """Slots of group p that allocation could use now: free, plus quarantine already lifted."""
+        k = self.completed_count()
+        through = self.in_flight[k - 1].id if k else self.finished_through
+        return self.pools[p].num_free + self.pools[p].quarantined_through(through)
+
+    def poll(self) -> None:
+        """Advance the watermark over completed steps and lift their quarantine."""
+        k = self.completed_count()
+        if k:
+            self.finished_through = self.in_flight[k - 1].id
+            del self.in_flight[:k]
+        for pool in self.pools:
+            pool.reclaim(self.finished_through)
+
+    def wait_for_slots(self, p: int, need: int) -> None:
+        """Wait for finish events (oldest first) while the quarantine of group p can cover the shortfall."""
+        pool = self.pools[p]
+        if pool.num_free + pool.num_quarantined < need:
+            return
+        for step in self.in_flight:
+            if self.available(p) >= need or step.finished is None:
+                return
+            step.finished.wait(self.timeout_s)
+
+    def wait_all(self) -> None:
+        for step in list(self.in_flight):
+            if step.finished is not None:
+                step.finished.wait(self.timeout_s)
+
+    def state(self) -> tuple:
+        return self.next_id, tuple(s.id for s in self.unsettled)

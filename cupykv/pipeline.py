@@ -1,0 +1,175 @@
+"""The per-step device work over a backend: pack the snapshot, copy it, apply the table deltas to the
+device mirror, build the tables and write positions, record the step's ready event.
+
+Order of one step on the manager stream (everything after the host packing is asynchronous):
+
+    host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending)
+    stream: wait for the previous step's finish event     (its consumer's reads come before our writes)
+            copy the ring slot to its device twin          (reads the pinned slot, never the live table)
+            apply the deltas to the mirror                 (skipped when no table cell changed)
+            build the tables and write positions           (FULL: the batch's rows; DELTA: changed cells)
+            record `ready` (also the ring slot's copy event: the slot is reused only after it)
+
+With use_graphs the copy, apply and build are one CUDA graph replay instead of three launches.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .layout import BAD, Layout
+from .staging import MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, snapshot_words
+from .step import Step, StepOutputs
+
+# The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
+# step grows its slot (staging.SnapshotRing).
+RING_RUNS, RING_CELLS = 64, 1024
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class KernelConsts:
+    """Per-manager constants the kernels need (host copies, and device copies for the CUDA backend)."""
+
+    def __init__(self, layout: Layout, max_batch: int, backend):
+        self.num_groups, self.num_layers = layout.num_groups, layout.num_layers
+        self.rows = self.max_batch = max_batch
+        self.max_blocks, self.tokens_per_block = layout.max_blocks, layout.tpb
+        self.layer_group, self.layer_koff, self.group_scale = layout.layer_group, layout.layer_koff, layout.group_scale
+        self.d_layer_group = backend.upload(layout.layer_group)
+        self.d_layer_koff = backend.upload(layout.layer_koff)
+        self.d_group_scale = backend.upload(layout.group_scale)
+
+
+class StepPipeline:
+    """The device side of a manager: the mirror of the host table, the output buffers, the snapshot ring.
+
+    mirror: int32 [P, rows, B]; row_entry: int32 [rows, 2], (epoch, batch entry) of each row in the last
+    FULL step's batch (DELTA steps look their cells up there); outputs: the tables and write positions.
+    """
+
+    def __init__(self, layout: Layout, backend, *, ring_slots: int, max_ring_slots: int, timeout_s: float,
+                 use_graphs: bool, steady_batch_delta: bool):
+        spec = layout.spec
+        self.backend = be = backend
+        self.use_graphs = use_graphs
+        self.steady_batch_delta = steady_batch_delta
+        self.shared = spec.table_mode == "shared"
+        P, rows, B = layout.num_groups, spec.max_batch, layout.max_blocks
+        self.consts = KernelConsts(layout, rows, be)
+        self.mirror = be.device_full((P, rows, B), BAD, np.int32)
+        self.row_entry = be.device_full((rows, 2), -1, np.int32)
+        planes = P if self.shared else layout.num_layers
+        self.outputs = StepOutputs(be.device_full((planes, rows, 2, B), BAD, np.int32),
+                                   be.device_full((layout.num_layers, spec.step_token_capacity), BAD, np.int32),
+                                   be.device_full((spec.step_token_capacity,), 0, np.int32))
+        self.ring = SnapshotRing(be, snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS), ring_slots,
+                                 max_ring_slots, timeout_s)
+        self.epoch = 0               # id of the last FULL step: DELTA steps find their batch entries through it
+        self.force_full = False      # a launch failed part-way: the outputs may hold anything
+        self.h2d_bytes_last_step = 0
+        self._prev: Optional[Step] = None
+
+    def acquire(self, words: int):
+        """A ring slot for a snapshot of `words` words (may wait for a slot's copy; see SnapshotRing)."""
+        return self.ring.acquire(words)
+
+    def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, after) -> None:
+        """Enqueue the step's device work on the manager stream, after the event `after` (the previous
+        step's finish, or None); sets step.mode and step.ready. cells/values: the table deltas."""
+        be, st = self.backend, self.backend.stream
+        if after is not None:
+            be.wait(st, after)
+        allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
+        cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
+        np.cumsum(step.num_tokens, out=cu_tokens[1:])
+        self._enqueue(step, slot, cells, values, cu_tokens, allow_delta)
+        self.force_full = False
+        self._prev = step
+        step.outputs.holder = step.id
+
+    def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
+        be, st, out = self.backend, self.backend.stream, self.outputs
+        step.mode = MODE_DELTA if allow_delta and self._steady(step) else MODE_FULL
+        words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
+                              step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
+                              pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch)
+        entries, tokens = max(step.num_seqs, step.pad_to), int(cu_tokens[-1])
+        buffers = (self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts)
+        if self.use_graphs:
+            # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers
+            # of two; the kernels read the true counts from the snapshot.
+            copy_words = min(_pow2_at_least(max(words, 1024)), slot.capacity)
+            be.launch_step_graph(st, slot, *buffers, self.shared, step.mode,
+                                 min(_pow2_at_least(entries), self.consts.max_batch),
+                                 min(_pow2_at_least(max(tokens, 256)), out.write_offsets.size), copy_words)
+            self.h2d_bytes_last_step = copy_words * 4
+        else:
+            be.copy_h2d(slot.dev, slot.host, words, st)
+            self.h2d_bytes_last_step = words * 4
+            if len(cells):      # a steady decode step often changes no cell: one launch fewer
+                be.apply_deltas(st, slot.dev, self.mirror, self.consts, num_values=len(cells))
+            be.build_step(st, slot.dev, *buffers, self.shared, step.mode, num_entries=entries,
+                          num_values=len(cells), num_tokens=tokens)
+        # One event for both: the slot's copy is done when the step is (an event between the copy and the
+        # kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
+        step.ready = slot.copied = be.record(st)
+        if step.mode == MODE_FULL:
+            self.epoch = step.id
+
+    def _steady(self, step: Step) -> bool:
+        """True when the output already holds this batch's rows (the previous step's, row for row, no
+        contexts in either, same padding): only changed cells need rewriting."""
+        prev = self._prev
+        return (self.steady_batch_delta and prev is not None and prev.mode is not None
+                and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
+                and (prev.rows is step.rows or np.array_equal(prev.rows, step.rows)))
+
+    def verify_mirror(self, table) -> None:
+        """Debug: wait for the manager stream and check the mirror against the host table (a PageTable).
+        Cells logged since the last prepare are skipped: the mirror holds their value at that prepare."""
+        self.backend.stream.synchronize()
+        mirror = self.backend.to_numpy(self.mirror).reshape(-1)
+        ok = np.ones(mirror.size, bool)
+        ok[table.logged()] = False
+        bad = np.flatnonzero(ok & (mirror != table.flat))
+        if len(bad):
+            raise AssertionError(f"device mirror differs from the host table at {len(bad)} cells, "
+                                 f"first flat index {int(bad[0])}")
+
+
+class UnsafeStaging(StepPipeline):
+    """UNSAFE, for the race tests only: the step's metadata from a pinned pool array dropped right after
+    enqueue, and the mirror copied whole from the live host table. Both are read when the copies run, not
+    at prepare, which is the race cupykv exists to prevent; the race tests prove they catch it here."""
+
+    def __init__(self, layout: Layout, backend, table, **kw):
+        super().__init__(layout, backend, **kw)
+        self.table = table.array            # the live host table
+        self.max_batch, self.num_groups = layout.spec.max_batch, layout.num_groups
+        self._dev = None
+
+    def acquire(self, words: int):
+        return None
+
+    def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
+        be, st, out = self.backend, self.backend.stream, self.outputs
+        # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
+        # pinned allocation of that size class) gets the block the previous one dropped.
+        words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,
+                               max(16, step.scratch_slots.shape[2]), 0, 0)
+        tmp = be.pinned_temp(words)
+        empty = np.empty(0, np.int64)
+        words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
+                              empty, empty, cu_tokens, step.start_positions, epoch=step.id)
+        if self._dev is None or len(self._dev) < words:
+            self._dev = be.device_empty(max(words, 4096))
+        be.copy_h2d(self._dev, tmp, words, st)
+        be.copy_h2d(self.mirror, self.table, self.table.size, st)
+        self.h2d_bytes_last_step = (words + self.table.size) * 4
+        be.build_step(st, self._dev, self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets,
+                      self.consts, self.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
+        step.ready = be.record(st)

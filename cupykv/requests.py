@@ -1,0 +1,206 @@
+"""The request table: request ids <-> table rows, and the numbers of each row.
+
+Per-row numbers live in arrays indexed by table row, so that a decode step of hundreds of requests is a
+handful of numpy operations rather than a Python loop. A row's incarnation counts its tenants, so a step
+can tell whether the request it scheduled in a row is still the one there.
+
+One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
+free). Everything cached about rows compares it: the validated generation list, and settle's "every
+entry of the step is still live" shortcut.
+"""
+from __future__ import annotations
+
+import heapq
+from operator import itemgetter
+from typing import TYPE_CHECKING, Dict, Hashable, List, Optional
+
+import numpy as np
+
+from .errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .step import Step
+
+RequestId = Hashable
+
+
+def frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class Request:
+    """A request's identity and its table row; its numbers live in the RequestTable's per-row arrays."""
+
+    __slots__ = ("rid", "row", "incarnation", "scratch", "_table")
+
+    def __init__(self, table: "RequestTable", rid: RequestId, row: int, incarnation: int):
+        self._table = table
+        self.rid = rid
+        self.row = row
+        self.incarnation = incarnation
+        self.scratch: Dict[int, List[np.ndarray]] = {}   # step id -> scratch slots per group (unsettled)
+
+    def _live_row(self) -> int:
+        if self._table.incarnation[self.row] != self.incarnation:
+            raise UnknownRequestError(f"request {self.rid!r} was freed; this Request no longer describes it")
+        return self.row
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self._table.prompt[self._live_row()])
+
+    @property
+    def history(self) -> int:
+        """Tokens whose KV is final (settled)."""
+        return int(self._table.hist[self._live_row()])
+
+    @property
+    def capacity(self) -> int:
+        """Tokens with KV space reserved: history plus the tokens of unsettled steps."""
+        return int(self._table.cap[self._live_row()])
+
+    @property
+    def pending(self) -> List["Step"]:
+        """Prepared steps of this request that are not settled yet, oldest first."""
+        return [s for s in self._table.unsettled()
+                if np.any((s.rows == self.row) & (s.incarnations == self.incarnation))]
+
+
+class GenBatch:
+    """A generation list that passed the lookup, duplicate and readiness checks.
+
+    Decode steps usually schedule the same requests as the step before, so the table keeps the last
+    validated list and skips those checks when the next list is equal to it and no request moved since
+    (`moves`). A request that could decode stays able to (its capacity never drops below its prompt:
+    rewinds undo only generated tokens). The arrays are shared by the steps that schedule this list, so
+    they are read-only.
+    """
+
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens")
+
+    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
+        self.ids = ids
+        self.rows = frozen(rows)                             # int64, for indexing the per-row arrays
+        self.rows32 = frozen(rows.astype(np.int32))          # Step.rows
+        self.incarnations = frozen(incarnations)
+        self.moves = moves
+        self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
+
+    def matches(self, ids: List[RequestId], moves: int) -> bool:
+        """Equal ids hash equal (Python's rule for dict keys), so with no move since, an equal list maps
+        to the same rows."""
+        if moves != self.moves:
+            return False
+        try:
+            return ids == self.ids
+        except Exception:        # an id whose == misbehaves (an array): let the full checks report it
+            return False
+
+    def tokens_for(self, k: int) -> np.ndarray:
+        if k != self.k:
+            self.k, self.tokens = k, frozen(np.full(len(self.rows), k, np.int64))
+        return self.tokens
+
+
+class RequestTable:
+    """Rows of the page table and who holds them, with each row's numbers (int64 [rows] arrays)."""
+
+    def __init__(self, rows: int, num_groups: int, sink_blocks: np.ndarray, unsettled):
+        self.hist = np.zeros(rows, np.int64)            # settled tokens
+        self.cap = np.zeros(rows, np.int64)             # reserved tokens (history + unsettled steps)
+        self.prompt = np.zeros(rows, np.int64)
+        self.incarnation = np.zeros(rows, np.int64)
+        self.last_scheduled = np.full(rows, -1, np.int64)          # id of the last step that scheduled the row
+        self.stale_done = np.zeros((num_groups, rows), np.int64)   # per group: blocks below were released
+        self._sink_blocks = sink_blocks
+        self.requests: Dict[RequestId, Request] = {}
+        self.row_of: Dict[RequestId, int] = {}
+        self.free_rows = list(range(rows))
+        self.moves = 0
+        self.unsettled = unsettled                      # () -> the manager's unsettled steps (Request.pending)
+        self._gen: Optional[GenBatch] = None
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def get(self, rid: RequestId) -> Request:
+        try:
+            return self.requests[rid]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request id {rid!r}") from None
+
+    def check_new(self, rid: RequestId) -> None:
+        try:
+            known = rid in self.requests
+        except TypeError:
+            raise InvalidRequestError(f"request id {rid!r} is not hashable") from None
+        if known:
+            raise DuplicateRequestError(f"request {rid!r} is already added")
+
+    def add(self, rid: RequestId, prompt_len: int) -> Request:
+        """Put a request into the lowest free row (the caller checked check_new and free_rows)."""
+        row = heapq.heappop(self.free_rows)
+        self.hist[row] = self.cap[row] = 0
+        self.prompt[row] = prompt_len
+        self.last_scheduled[row] = -1
+        self.stale_done[:, row] = self._sink_blocks
+        req = self.requests[rid] = Request(self, rid, row, int(self.incarnation[row]))
+        self.row_of[rid] = row
+        self.moves += 1
+        return req
+
+    def remove(self, rid: RequestId) -> Request:
+        req = self.requests.pop(rid)
+        del self.row_of[rid]
+        self.incarnation[req.row] += 1      # steps still holding the row now see it as someone else's
+        heapq.heappush(self.free_rows, req.row)
+        self.moves += 1
+        return req
+
+    # -- generation lists ------------------------------------------------------------------------
+    def generation_batch(self, gen_ids: List[RequestId], ctx_rows: List[int]) -> Optional[GenBatch]:
+        """The validated generation list (known ids, no duplicates with each other or with the contexts,
+        whole prompt scheduled); the last one is reused while it matches. None for an empty list."""
+        batch = self._gen
+        if batch is not None and batch.matches(gen_ids, self.moves):
+            if ctx_rows:          # the cached list has no duplicates; a context may still repeat an entry
+                self._check_no_duplicates(gen_ids, batch.rows, ctx_rows)
+            return batch
+        if not gen_ids:
+            return None
+        try:
+            rows = np.array(itemgetter(*gen_ids)(self.row_of), np.int64).reshape(-1)
+        except (KeyError, TypeError):
+            bad = next(r for r in gen_ids if not self._known(r))
+            raise UnknownRequestError(f"unknown request id {bad!r}") from None
+        self._check_no_duplicates(gen_ids, rows, ctx_rows)
+        cap = self.cap[rows]
+        unready = cap < self.prompt[rows]
+        if unready.any():
+            i = int(np.argmax(unready))
+            raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
+                                      f"is scheduled ({cap[i]} of {self.prompt[rows[i]]} tokens)")
+        self._gen = batch = GenBatch(gen_ids, rows, self.incarnation[rows], self.moves)
+        return batch
+
+    def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:
+        seen = np.bincount(rows, minlength=len(self.hist))
+        seen[ctx_rows] += 1
+        if seen.max() > 1:
+            dup = next(r for r in gen_ids if seen[self.row_of[r]] > 1)
+            raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
+
+    def _known(self, rid) -> bool:
+        try:
+            return rid in self.row_of
+        except TypeError:
+            return False
+
+    def state(self) -> tuple:
+        reqs = tuple((repr(r.rid), r.row, r.incarnation,
+                      tuple((k, tuple(a.tobytes() for a in v)) for k, v in sorted(r.scratch.items())))
+                     for r in self.requests.values())
+        arrays = tuple(a.tobytes() for a in (self.hist, self.cap, self.prompt, self.incarnation,
+                                             self.last_scheduled, self.stale_done))
+        return reqs, arrays, tuple(sorted(self.free_rows))

@@ -1,0 +1,71 @@
+"""The host page table (the only source of truth) and its dirty log.
+
+table[p, row, b] is the slot that holds block b of the request in `row` for layer group p, or BAD.
+Cells are addressed by flat index into the table; every write is logged, and the next step's snapshot
+ships the logged cells with their current values (the device mirror applies them in stream order).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from .layout import BAD
+
+
+class PageTable:
+    """int32 [P, rows, B] in pinned memory (the unsafe staging mode copies from it directly; the snapshot
+    mode never lets the copy engine read it), and the flat cells written since the last step."""
+
+    def __init__(self, backend, num_groups: int, rows: int, max_blocks: int):
+        self.shape = (num_groups, rows, max_blocks)
+        self.array = backend.pinned_empty(num_groups * rows * max_blocks).reshape(self.shape)
+        self.array.fill(BAD)
+        self.flat = self.array.reshape(-1)                # a view: cells by flat index
+        self.max_blocks = max_blocks
+        self.group_base = np.arange(num_groups, dtype=np.int64)[:, None] * (rows * max_blocks)  # [P, 1]
+        self._log: List[np.ndarray] = []
+
+    def cells(self, p: int, rows, blocks) -> np.ndarray:
+        """Flat indices of table[p, rows, blocks] (broadcast)."""
+        return np.asarray(rows, np.int64) * self.max_blocks + (np.asarray(blocks, np.int64) + int(self.group_base[p, 0]))
+
+    def row_cells(self, p: int, row: int) -> np.ndarray:
+        """Flat indices of the held (non-BAD) cells of one row of group p."""
+        start = int(self.group_base[p, 0]) + row * self.max_blocks
+        return np.flatnonzero(self.flat[start:start + self.max_blocks] != BAD) + start
+
+    def write(self, cells: np.ndarray, values) -> None:
+        """Write cells by flat index and log them for the next step's snapshot."""
+        self.flat[cells] = values
+        self._log.append(cells)
+
+    def take(self, cells: np.ndarray):
+        """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch
+        blocks never got a slot of their own) are skipped."""
+        vals = self.flat[cells]
+        if len(vals) and vals.min() == BAD:     # slots are >= 0
+            held = vals != BAD
+            cells, vals = cells[held], vals[held]
+        if len(cells):
+            self.write(cells, BAD)
+        return cells, vals
+
+    # -- the dirty log ---------------------------------------------------------------------------
+    def logged(self) -> np.ndarray:
+        """Cells written since the last clear_log, in order, with repeats (every copy of a cell carries
+        the table's current value, and runs only need adjacent cells: sorting cost more than it saved)."""
+        if not self._log:
+            return np.empty(0, np.int64)
+        if len(self._log) > 1:
+            self._log[:] = [np.concatenate(self._log)]
+        return self._log[0]
+
+    def num_logged(self) -> int:
+        return sum(map(len, self._log))
+
+    def clear_log(self) -> None:
+        self._log.clear()
+
+    def state(self) -> tuple:
+        return self.array.tobytes(), self.logged().tobytes()
