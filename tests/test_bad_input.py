@@ -1,23 +1,26 @@
 """Every bad call raises its specific error, names the bad thing, leaves mgr.state() unchanged, and the
-manager keeps working afterwards (DESIGN.md section 6: check first, then mutate)."""
+manager keeps working afterwards (DESIGN.md section 6: check first, then mutate). Valid calls work with
+any integer type: numpy integers give the same state as Python ints."""
 import numpy as np
 import pytest
 
 import cupykv
 
 from cupykv import (BAD, CacheSpec, CapacityExceededError, CupykvError, DuplicateRequestError,
-                    InvalidRequestError, KVCacheManager, OutOfSlotsError, StepOrderError, UnknownRequestError)
-from cupykv.layout import cdiv
-from cupykv.reference import convert_per_layer
+                    InvalidRequestError, InvalidSpecError, KVCacheManager, OutOfSlotsError, StepOrderError,
+                    UnknownRequestError)
+from oracle import Geometry, check_slots, expected_tables
 
 TPB, W = 16, 32
+NUMPY_INTS = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+
+
+SPEC = dict(windows=[W, None, W], num_kv_heads=2, head_dim=8, tokens_per_block=TPB, max_seq_len=256,
+            max_batch=4, slots_per_group=64, max_rewind=2)
 
 
 def make_mgr(**kw):
-    args = dict(windows=[W, None, W], num_kv_heads=2, head_dim=8, tokens_per_block=TPB, max_seq_len=256,
-                max_batch=4, slots_per_group=64, max_rewind=2)
-    args.update(kw)
-    return KVCacheManager(CacheSpec(**args), backend="host")
+    return KVCacheManager(CacheSpec(**dict(SPEC, **kw)), backend="host")
 
 
 def expect_fail(mgr, exc, needles, fn):
@@ -35,24 +38,16 @@ def expect_fail(mgr, exc, needles, fn):
 def check_invariants(mgr):
     """With every step settled: each request holds exactly the blocks the spec says, and every slot is
     owned once, free, or quarantined."""
-    lay = mgr.layout
-    for g in lay.groups:
-        pool = mgr.pools[g.index]
-        owned = []
+    assert mgr.stats()["steps_unsettled"] == 0
+    geo = Geometry(mgr.spec)
+    for g in geo.groups:
         for rid in mgr.request_ids:
             req = mgr.request(rid)
-            assert not req.pending
-            h = req.history
-            top = cdiv(h, TPB)
-            # SWA: [(h + 1 - W) // tpb, ceil(h / tpb)) (no sinks here); full: [0, ceil(h / tpb))
-            lo = max(0, (h + 1 - g.window) // TPB) if g.window is not None else 0
             row = mgr.table[g.index, req.row]
-            want = np.zeros(lay.max_blocks, bool)
-            want[lo:top] = True
-            assert ((row != BAD) == want).all(), (rid, g.index, h, row)
-            owned += row[row != BAD].tolist()
-        everything = owned + pool.free_slots().tolist() + pool.quarantined_slots().tolist()
-        assert sorted(everything) == list(range(pool.total))
+            want = np.zeros(geo.max_blocks, bool)
+            want[sorted(geo.blocks_with_slot(g, req.history, req.history))] = True
+            assert ((row != BAD) == want).all(), (rid, g.index, req.history, row)
+    check_slots(mgr)
 
 
 def run_step(mgr, contexts=None, generation=(), num_gen_tokens=1, accepted=None):
@@ -61,13 +56,8 @@ def run_step(mgr, contexts=None, generation=(), num_gen_tokens=1, accepted=None)
     table = mgr.table.copy()
     step.finish()
     mgr.synchronize()
-    lay = mgr.layout
-    want = convert_per_layer(table, step.rows, step.num_contexts, step.scratch_begs, step.scratch_ends,
-                             step.scratch_slots, lay.layer_group, lay.group_scale, lay.layer_koff,
-                             max_batch=mgr.spec.max_batch)
     got = mgr.backend.to_numpy(mgr.out)
-    n = step.num_seqs
-    assert (got[:, :n] == want[:, :n]).all()
+    assert (got[:, :step.num_seqs] == expected_tables(mgr, table, step)).all()
     mgr.settle(step, accepted)
     mgr.synchronize()
     check_invariants(mgr)
@@ -337,7 +327,6 @@ def test_out_of_slots():
 
 def test_review_findings():
     """Inputs a careful user could pass by mistake get clear errors; numpy ints are ints."""
-    import numpy as np
     spec = cupykv.CacheSpec(windows=[32, None], num_kv_heads=np.int64(1), head_dim=8, tokens_per_block=16,
                             max_seq_len=np.int32(256), max_batch=4, slots_per_group=np.int64(64))
     mgr = cupykv.KVCacheManager(spec, backend="host")
@@ -369,3 +358,176 @@ def test_failed_mirror_check_leaves_the_step_registered():
     step.finish()
     mgr.settle(step)
     assert mgr.request("a").history == 10
+
+
+# --------------------------------------------------------------------------------------------------
+# integer types: numpy integers are counts like Python ints, in their value, never in their dtype
+# --------------------------------------------------------------------------------------------------
+def workload(mgr, I):
+    """Valid calls with every count passed as I(n); yields after each call. With rejections (max_rewind
+    2), a step with contexts and generation, a decode of more than tpb tokens, pad_to, and accepted as a
+    mapping and in batch order."""
+    steps = []
+
+    def prepare(*a, **kw):
+        steps.append(mgr.prepare_batch(*a, **kw))
+        steps[-1].finish()
+        return steps[-1]
+
+    mgr.add("A", I(20))
+    mgr.add("B", I(40))
+    yield "add"
+    prepare({"A": I(20)})
+    yield "prefill A"
+    mgr.settle(steps[-1])
+    yield "settle prefill A"
+    prepare({"B": I(16)}, ["A"], num_gen_tokens=I(1))       # contexts and generation in one step
+    yield "chunk of B + decode A"
+    mgr.settle(steps[-1], {"A": I(1)})
+    yield "settle chunk + decode"
+    prepare((), ["A"], num_gen_tokens=I(2))
+    yield "decode A by 2"
+    mgr.settle(steps[-1], {"A": I(1)})                     # one token rejected
+    yield "settle with a rejection"
+    prepare([("B", I(24))], ["A"], num_gen_tokens=I(2), pad_to=I(3))
+    yield "last chunk of B + decode A, padded"
+    mgr.settle(steps[-1], [I(24), I(2)])                    # accepted in batch order
+    yield "settle in batch order"
+    prepare((), ["A", "B"], num_gen_tokens=I(TPB + 4))      # more than a block per entry
+    yield "decode of more than tpb tokens"
+    mgr.settle(steps[-1], {"A": I(TPB + 2), "B": I(TPB + 4)})
+    yield "settle the long decode"
+    mgr.free("A")
+    yield "free"
+    for s in steps:
+        yield s
+
+
+def run_twins(ref, got, I):
+    """Run the workload on `ref` with Python ints and on `got` with I; states agree after every call, and
+    every step agrees with its twin."""
+    for a, b in zip(workload(ref, int), workload(got, I)):
+        if isinstance(a, str):
+            assert got.state() == ref.state(), a
+        else:
+            assert b.num_tokens.dtype == a.num_tokens.dtype and b.start_positions.dtype == a.start_positions.dtype
+            assert np.array_equal(b.num_tokens, a.num_tokens) and np.array_equal(b.start_positions, a.start_positions)
+    ref.synchronize()
+    got.synchronize()
+    assert np.array_equal(got.backend.to_numpy(got.out), ref.backend.to_numpy(ref.out))
+    check_invariants(got)
+
+
+@pytest.mark.parametrize("int_type", NUMPY_INTS, ids=lambda t: t.__name__)
+def test_numpy_integer_counts_give_the_same_state_as_python_ints(int_type):
+    run_twins(make_mgr(), make_mgr(), int_type)
+
+
+def test_numpy_uint64_decode_in_a_step_with_contexts_settles_once():
+    """np.uint64(1) next to context chunks once turned num_tokens into float64, and settle raised after
+    history had advanced (a retry advanced it again)."""
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    mgr.add("B", 40)
+    step = run_step(mgr, contexts={"B": 16}, generation=["A"], num_gen_tokens=np.uint64(1))
+    assert step.num_tokens.tolist() == [16, 1] and step.num_tokens.dtype.kind == "i"
+    assert (mgr.request("A").history, mgr.request("B").history) == (21, 16)
+    expect_fail(mgr, StepOrderError, ["step 1", "already settled"], lambda: mgr.settle(step))
+    assert (mgr.request("A").history, mgr.request("B").history) == (21, 16)
+
+
+@pytest.mark.parametrize("int_type", (int,) + NUMPY_INTS, ids=lambda t: t.__name__)
+def test_numpy_num_gen_tokens_past_max_seq_len_is_refused(int_type):
+    """cap + k > max_seq_len with k <= tpb; k = 12 > max_seq_len once wrapped max_seq_len - k as np.uint64
+    and was accepted."""
+    mgr = make_mgr(max_seq_len=10)
+    prefilled(mgr, "A", 4)
+    expect_fail(mgr, CupykvError, ["12", "10"], lambda: mgr.prepare_batch((), ["A"], num_gen_tokens=int_type(12)))
+    expect_fail(mgr, CapacityExceededError, ["'A'", "max_seq_len=10"],
+                lambda: mgr.prepare_batch((), ["A"], num_gen_tokens=int_type(7)))
+    run_step(mgr, generation=["A"], num_gen_tokens=int_type(6))
+    assert mgr.request("A").history == 10
+
+
+@pytest.mark.parametrize("int_type", [t for t in (int,) + NUMPY_INTS if t is int or np.iinfo(t).max >= 200],
+                         ids=lambda t: t.__name__)
+def test_numpy_num_gen_tokens_times_batch_is_not_wrapped(int_type):
+    """200 requests x num_gen_tokens 200 is a 40,000-token step (np.int16 once wrapped k * n)."""
+    mgr = make_mgr(max_batch=200, max_step_tokens=1000, slots_per_group=3000)
+    for r in range(200):
+        mgr.add(r, 4)
+    run_step(mgr, contexts={r: 4 for r in range(200)})
+    expect_fail(mgr, CapacityExceededError, ["40000", "max_step_tokens=1000"],
+                lambda: mgr.prepare_batch((), range(200), num_gen_tokens=int_type(200)))
+    run_step(mgr, generation=range(200), num_gen_tokens=int_type(5))
+    assert mgr.request(199).history == 9
+
+
+@pytest.mark.parametrize("field,value", [("tokens_per_block", np.int64(16)), ("max_rewind", np.int8(2)),
+                                         ("max_seq_len", np.int16(32767)), ("max_batch", np.int8(4)),
+                                         ("slots_per_group", np.uint16(64)), ("num_kv_heads", np.uint8(2))],
+                         ids=lambda v: v if isinstance(v, str) else type(v).__name__)
+def test_numpy_spec_fields_build_the_same_manager(field, value):
+    """Spec fields as numpy integers once broke KVCacheManager() (AttributeError, OverflowError,
+    'negative dimensions'); they are ints like any other."""
+    spec = CacheSpec(**dict(SPEC, **{field: value}))
+    assert type(getattr(spec, field)) is int and getattr(spec, field) == value
+    ref = make_mgr(**{field: int(value)})
+    assert spec == ref.spec
+    run_twins(ref, KVCacheManager(spec, backend="host"), int)
+
+
+# --------------------------------------------------------------------------------------------------
+# malformed arguments: a CupykvError naming the argument and its value, never a bare TypeError
+# --------------------------------------------------------------------------------------------------
+BIG = 2 ** 70
+
+
+def test_malformed_batch_arguments():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    mgr.add("B", 40)
+    expect_fail(mgr, CupykvError, ["generation", "5"], lambda: mgr.prepare_batch(generation=5))
+    expect_fail(mgr, CupykvError, ["contexts", "5"], lambda: mgr.prepare_batch(contexts=5))
+    expect_fail(mgr, CupykvError, ["context", "7"], lambda: mgr.prepare_batch(contexts=[7]))
+    expect_fail(mgr, CupykvError, ["'B'", str(BIG)], lambda: mgr.prepare_batch(contexts={"B": BIG}))
+    expect_fail(mgr, CupykvError, ["'B'", str(BIG)], lambda: mgr.prepare_batch(contexts=[("B", BIG)]))
+    expect_fail(mgr, CupykvError, ["'B'", "1.5"], lambda: mgr.prepare_batch(contexts={"B": 1.5}))
+    expect_fail(mgr, CupykvError, ["'B'", "True"], lambda: mgr.prepare_batch(contexts={"B": True}))
+    expect_fail(mgr, CupykvError, [str(BIG)], lambda: mgr.prepare_batch(generation=["A"], num_gen_tokens=BIG))
+    expect_fail(mgr, CupykvError, ["num_gen_tokens", "True"],
+                lambda: mgr.prepare_batch(generation=["A"], num_gen_tokens=True))
+    run_step(mgr, contexts={"B": 16}, generation=["A"])
+
+
+def test_malformed_settle_arguments():
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    step = mgr.prepare_batch(generation=["A"], num_gen_tokens=2)
+    step.finish()
+    expect_fail(mgr, CupykvError, ["accepted", "5"], lambda: mgr.settle(step, 5))
+    expect_fail(mgr, CupykvError, ["'A'", "accepted", str(BIG)], lambda: mgr.settle(step, {"A": BIG}))
+    expect_fail(mgr, CupykvError, ["accepted"], lambda: mgr.settle(step, [BIG]))
+    expect_fail(mgr, CupykvError, ["'A'", "accepted", "True"], lambda: mgr.settle(step, {"A": True}))
+    mgr.settle(step, {"A": np.uint64(1)})
+    mgr.synchronize()
+    assert (mgr.request("A").history, mgr.request("A").capacity) == (21, 21)
+    check_invariants(mgr)
+    run_step(mgr, generation=["A"])
+
+
+@pytest.mark.parametrize("option,value", [("max_steps_in_flight", 0), ("max_steps_in_flight", -3),
+                                          ("max_steps_in_flight", 1.5), ("max_steps_in_flight", True),
+                                          ("staging_timeout_s", -1), ("staging_timeout_s", "10")])
+def test_bad_manager_option(option, value):
+    """Options that were accepted and then broke the manager (max_steps_in_flight=0: every prepare failed)."""
+    spec = make_mgr().spec
+    with pytest.raises(InvalidSpecError) as ei:
+        KVCacheManager(spec, backend="host", **{option: value})
+    assert option in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
+
+
+def test_numpy_manager_options_work():
+    mgr = KVCacheManager(make_mgr().spec, backend="host", max_steps_in_flight=np.int8(16), ring_slots=np.uint8(2),
+                         max_ring_slots=np.int16(4), staging_timeout_s=np.float32(5))
+    run_twins(make_mgr(), mgr, int)

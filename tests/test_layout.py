@@ -2,6 +2,7 @@
 
 No manager here: Layout is a pure function of the spec.
 """
+import numpy as np
 import pytest
 
 import cupykv
@@ -349,13 +350,61 @@ def test_good_spec_builds():
     ("memory_bytes", dict(slots_per_group=None, memory_bytes=-5)),
     ("sink_tokens", dict(sink_tokens=-1)),
     ("sink_tokens", dict(sink_tokens=[0, 0])),                  # 3 layers
+    # not ints: bools, floats, a number where a sequence goes, a list where a string goes
+    ("windows", dict(windows=5)),
+    ("dtype", dict(dtype=["float16"])),
+    ("table_mode", dict(table_mode=["shared"])),
+    ("sink_tokens", dict(sink_tokens=1.5)),
+    ("sink_tokens", dict(sink_tokens=True)),
+    ("sink_tokens", dict(sink_tokens=[0, 1.5, 0])),
+    ("slots_per_group", dict(slots_per_group=1.5)),
+    ("slots_per_group", dict(slots_per_group=True)),
+    ("slots_per_group", dict(slots_per_group=[64, True])),
+    ("tokens_per_block", dict(tokens_per_block=True)),
+    ("tokens_per_block", dict(tokens_per_block=16.0)),
+    ("max_seq_len", dict(max_seq_len=256.0)),
+    ("max_batch", dict(max_batch=True)),
+    ("num_kv_heads", dict(num_kv_heads=2.0)),
+    ("head_dim", dict(head_dim=True)),
+    ("max_rewind", dict(max_rewind=True)),
+    ("max_rewind", dict(max_rewind=np.float64(2))),
+    ("memory_bytes", dict(slots_per_group=None, memory_bytes=1.5e9)),
+    ("max_step_tokens", dict(max_step_tokens=True)),
+    ("swa_scratch_reuse", dict(swa_scratch_reuse="yes")),
 ])
 def test_bad_spec_field(field, kw):
     with pytest.raises(InvalidSpecError) as ei:
         build(**kw)
-    assert field in str(ei.value)
+    msg = str(ei.value)
+    assert field in msg
+    value = kw[field]                  # named as given: the whole field, or each entry of a sequence
+    for v in (value if isinstance(value, list) else [value]):
+        assert repr(v) in msg, (repr(v), msg)
     assert isinstance(ei.value, ValueError)
     assert isinstance(ei.value, cupykv.CupykvError)
+
+
+def test_spec_counts_become_python_ints():
+    """numpy integers are counts; the spec holds Python ints (and tuples of them) whatever it was given."""
+    spec = CacheSpec(windows=[np.int64(32), None, np.uint16(32)], num_kv_heads=np.int8(2), head_dim=np.uint8(8),
+                     tokens_per_block=np.int64(16), max_seq_len=np.int16(32767), max_batch=np.int8(4),
+                     sink_tokens=[np.int32(4), 0, np.uint64(4)], slots_per_group=np.array([64, 32]),
+                     memory_bytes=np.int64(1 << 20), max_rewind=np.int8(2), max_step_tokens=np.uint32(512),
+                     swa_scratch_reuse=np.bool_(True))
+    assert spec.windows == spec.windows_tuple == (32, None, 32)
+    assert spec.sink_tokens == (4, 0, 4) and spec.slots_per_group == (64, 32)
+    ints = [spec.num_kv_heads, spec.head_dim, spec.tokens_per_block, spec.max_seq_len, spec.max_batch,
+            spec.memory_bytes, spec.max_rewind, spec.max_step_tokens, *spec.sink_tokens, *spec.slots_per_group,
+            spec.windows[0], spec.windows[2]]
+    assert all(type(v) is int for v in ints), [type(v) for v in ints]
+    assert type(spec.swa_scratch_reuse) is bool
+    assert spec == CacheSpec(windows=(32, None, 32), num_kv_heads=2, head_dim=8, tokens_per_block=16,
+                             max_seq_len=32767, max_batch=4, sink_tokens=(4, 0, 4), slots_per_group=[64, 32],
+                             memory_bytes=1 << 20, max_rewind=2, max_step_tokens=512)
+    assert {spec: 1}[spec] == 1                                             # frozen and hashable
+    lay = Layout(spec)
+    assert lay.max_blocks == 2052 and lay.slots_per_group == (64, 32)     # ceil(32770 / 16) = 2049 -> 2052
+    assert type(CacheSpec(**dict(GOOD, sink_tokens=np.int64(3))).sink_tokens) is int
 
 
 def test_shared_mode_valid_without_scratch_or_without_swa():

@@ -1,9 +1,11 @@
 """Stateful property test: random serving workloads against an independent model of the manager.
 
-The model keeps its own history and capacity per request and derives from the formulas of DESIGN.md
-section 2 which blocks must hold a slot; the manager's table must agree after every operation. Each
-step's tables (captured by a consumer on another stream, gated at random) must equal the reference
-computed from the host table at that step's prepare.
+The model (oracle.Model) keeps its own history, capacity, row and scratch ranges per request and derives
+from the formulas of DESIGN.md section 2 which blocks must hold a slot; the manager's table must agree
+after every operation. Each step's tables (captured by a consumer on another stream, gated at random)
+must equal the reference computed from the host table at that step's prepare. Counts (prompt lengths,
+chunks, num_gen_tokens, accepted tokens) are drawn as Python ints and as every numpy integer type that
+holds them.
 """
 import os
 
@@ -13,21 +15,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import cupykv
 from cupykv import BAD, OutOfSlotsError
-from conftest import Capture
+from oracle import Capture, Modelled, check_slots
 
 EXAMPLES = int(os.environ.get("CUPYKV_PROPERTY_EXAMPLES", "500"))
 TPB = 8
+INT_TYPES = (int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 
 
-def cdiv(a, b):
-    return -(-a // b)
-
-
-class ModelRequest:
-    def __init__(self, prompt):
-        self.prompt, self.hist, self.cap = prompt, 0, 0
-        self.stale_hi = {}            # group -> blocks below this (past the sinks) were released
-        self.scratch = {}             # step id -> {group: (lo, hi)} of unsettled context chunks
+def count(data, lo, hi, label):
+    """An int in [lo, hi] as a Python int or as a numpy integer type that holds it."""
+    n = data.draw(st.integers(lo, hi), label=label)
+    fits = [t for t in INT_TYPES if t is int or np.iinfo(t).min <= n <= np.iinfo(t).max]
+    return data.draw(st.sampled_from(fits), label=f"{label} type")(n)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -42,12 +41,12 @@ class ManagerMachine(RuleBasedStateMachine):
                                      swa_scratch_reuse=scratch and not shared, sink_tokens=sinks,
                                      table_mode="shared" if shared else "per_layer")
         self.mgr = cupykv.KVCacheManager(self.spec, backend="host", use_graphs=graphs, steady_batch_delta=delta)
-        self.lay = self.mgr.layout
+        self.tw = Modelled(self.mgr)
+        self.model = self.tw.model
+        self.geo = self.model.geo
         self.cap = Capture(self.mgr)
-        self.model = {}
         self.next_rid = 0
         self.gate = None
-        self.unsettled = []
         self.unfinished_seen = []     # (step, {group: {slot: (request, block) or "scratch"}})
 
     # -- operations ------------------------------------------------------------------------------
@@ -58,83 +57,65 @@ class ManagerMachine(RuleBasedStateMachine):
         """One operation, drawn with weights so that workloads run many steps."""
         action = data.draw(st.sampled_from(self.ACTIONS), label="action")
         if action == "add":
-            self.add(data.draw(st.integers(1, 200), label="prompt"))
+            self.add(data)
         elif action == "step":
             self.step(data)
-        elif action == "settle" and self.unsettled:
+        elif action == "settle" and self.tw.unsettled:
             self.settle(data)
-        elif action == "free" and self.model:
+        elif action == "free" and len(self.model):
             self.free(data)
         elif action == "drain":
             self.open_gate_and_drain()
 
-    def add(self, prompt):
+    def add(self, data):
         if len(self.model) == self.spec.max_batch:
             return
         rid = f"r{self.next_rid}"
         self.next_rid += 1
-        self.mgr.add(rid, prompt)
-        self.model[rid] = ModelRequest(prompt)
+        self.tw.add(rid, count(data, 1, 200, "prompt"))
 
     def step(self, data):
         ctx, gen = {}, []
-        for rid, m in self.model.items():
-            if m.cap < m.prompt and data.draw(st.booleans(), label=f"ctx {rid}"):
-                ctx[rid] = data.draw(st.integers(1, m.prompt - m.cap), label=f"chunk {rid}")
-            elif m.cap == m.prompt and data.draw(st.booleans(), label=f"gen {rid}"):
+        for rid in self.model.rids:
+            m = self.model.request(rid)
+            if m.capacity < m.prompt and data.draw(st.booleans(), label=f"ctx {rid}"):
+                ctx[rid] = count(data, 1, m.prompt - m.capacity, f"chunk {rid}")
+            elif m.capacity == m.prompt and data.draw(st.booleans(), label=f"gen {rid}"):
                 gen.append(rid)
-        k = data.draw(st.integers(1, self.spec.max_rewind + 1), label="gen tokens")
-        gen = [r for r in gen if self.model[r].cap + k <= self.spec.max_seq_len]
+        k = count(data, 1, self.spec.max_rewind + 1, "gen tokens")
+        gen = [r for r in gen if self.model.request(r).capacity + int(k) <= self.spec.max_seq_len]
         if not ctx and not gen:
             return
         if self.gate is None and data.draw(st.booleans(), label="gate"):
             self.gate = self.mgr.backend.gate(self.mgr.backend.stream)
         before = self.mgr.state()
         try:
-            s = self.mgr.prepare_batch(ctx, gen, num_gen_tokens=k)
+            s = self.tw.prepare(ctx, gen, num_gen_tokens=k)      # checks batch, tokens and scratch ranges
         except OutOfSlotsError:
             assert self.mgr.state() == before
             return
         self.cap.consume(s)
-        for rid, n in list(ctx.items()) + [(r, k) for r in gen]:
-            m = self.model[rid]
-            old, m.cap = m.cap, m.cap + n
-            if rid in ctx:
-                m.scratch[s.id] = {g.index: self.scratch_range(g, old, m.cap) for g in self.lay.groups}
-        self.check_scratch_metadata(s, ctx)
-        self.unsettled.append(s)
         self.unfinished_seen.append((s, self.seen_by(s)))
 
     def settle(self, data):
-        s = self.unsettled.pop(0)
+        s, expected = self.tw.unsettled[0]
+        later = [other for other, _ in self.tw.unsettled[1:]]
         accepted = {}
+        in_order = []
         for k, rid in enumerate(s.request_ids):
-            m = self.model.get(rid)
-            if m is None or m is not getattr(s, "_model", {}).get(rid, m) or k < s.num_contexts:
-                continue
             n = int(s.num_tokens[k])
-            latest = not any(rid in later.request_ids for later in self.unsettled)
+            if not self.model.is_live(s.id, k) or k < s.num_contexts:
+                in_order.append(n)
+                continue
+            latest = not any(rid in other.request_ids for other in later)
             lo = max(0, n - self.spec.max_rewind) if latest else n
-            accepted[rid] = data.draw(st.integers(lo, n), label=f"accept {rid}")
-        self.mgr.settle(s, accepted)
-        for k, rid in enumerate(s.request_ids):
-            m = self.model.get(rid)
-            if m is None:
-                continue
-            n = int(s.num_tokens[k])
-            a = accepted.get(rid, n)
-            m.hist += a
-            m.cap -= n - a
-            m.scratch.pop(s.id, None)
-            for g in self.lay.groups:
-                if g.window is not None:
-                    hi = (m.hist + 1 - g.window) // TPB
-                    m.stale_hi[g.index] = max(m.stale_hi.get(g.index, 0), hi)
+            accepted[rid] = count(data, lo, n, f"accept {rid}")
+            in_order.append(accepted[rid])
+        as_sequence = data.draw(st.booleans(), label="accepted in batch order")
+        self.tw.settle(s, in_order if as_sequence else accepted)
 
     def free(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.model)), label="free")
-        self.mgr.free(rid)
-        del self.model[rid]
+        self.tw.free(data.draw(st.sampled_from(sorted(self.model.rids)), label="free"))
 
     def open_gate_and_drain(self):
         if self.gate is not None:
@@ -143,41 +124,17 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.synchronize()
         self.check_outputs()
 
-    # -- the model's formulas --------------------------------------------------------------------
-    def scratch_range(self, g, start, cap):
-        if not self.spec.swa_scratch_reuse or g.window is None:
-            return (0, 0)
-        sink = cdiv(g.sink_tokens, TPB)
-        hi = max(sink, (cap - self.spec.max_rewind + 1 - g.window) // TPB)
-        lo, hi = max(sink, cdiv(start, TPB)), min(hi, cdiv(cap, TPB))
-        return (lo, hi) if lo < hi else (0, 0)
-
-    def expected_blocks(self, m, g):
-        blocks = set(range(cdiv(m.cap, TPB)))
-        if g.window is not None:
-            sink = cdiv(g.sink_tokens, TPB)
-            blocks -= set(range(sink, max(sink, m.stale_hi.get(g.index, 0))))
-            for ranges in m.scratch.values():
-                blocks -= set(range(*ranges[g.index]))
-        return blocks
-
-    def check_scratch_metadata(self, s, ctx):
-        for k, rid in enumerate(ctx):
-            for g in self.lay.groups:
-                lo, hi = self.model[rid].scratch[s.id][g.index]
-                assert (s.scratch_begs[g.index, k], s.scratch_ends[g.index, k]) == ((lo, hi) if hi > lo else (0, 0))
-
     def seen_by(self, s):
         """Slots a step's tables reference, with what they held: (request, block) or 'scratch'."""
         seen = {}
-        for g in self.lay.groups:
+        for g in self.geo.groups:
             d = {}
             for k, rid in enumerate(s.request_ids):
                 row = self.mgr.table[g.index, s.rows[k]]
                 for b in np.flatnonzero(row != BAD):
                     d[int(row[b])] = (rid, int(b))
                 if k < s.num_contexts and s.scratch_ends[g.index, k] > s.scratch_begs[g.index, k]:
-                    used = cdiv(2 * int(s.scratch_ends[g.index, k] - s.scratch_begs[g.index, k]), g.scale)
+                    used = self.geo.scratch_slots_needed(g, int(s.scratch_ends[g.index, k] - s.scratch_begs[g.index, k]))
                     for slot in s.scratch_slots[g.index, k, :used]:     # the rest is padding
                         d.setdefault(int(slot), "scratch")
             seen[g.index] = d
@@ -186,34 +143,13 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------------------------
     @invariant()
     def slots_conserved_and_owned_once(self):
-        if not hasattr(self, "mgr"):
-            return
-        stats = self.mgr.stats()
-        for g, pool in zip(self.lay.groups, self.mgr.pools):
-            owned = []
-            for rid in self.mgr.request_ids:
-                row = self.mgr.table[g.index, self.mgr.request(rid).row]
-                owned += row[row != BAD].tolist()
-                for held in self.mgr.request(rid).scratch.values():
-                    owned += held[g.index].tolist()
-            every = owned + pool.free_slots().tolist() + pool.quarantined_slots().tolist()
-            assert sorted(every) == list(range(pool.total)), "a slot is lost or owned twice"
-            gs = stats["groups"][g.index]
-            assert gs["free"] + gs["owned"] + gs["scratch"] + gs["quarantined"] == gs["total"]
+        if hasattr(self, "mgr"):
+            check_slots(self.mgr, self.tw.scratch_held())
 
     @invariant()
     def table_rows_match_model(self):
-        if not hasattr(self, "mgr"):
-            return
-        live_rows = set()
-        for rid, m in self.model.items():
-            row = self.mgr.request(rid).row
-            live_rows.add(row)
-            for g in self.lay.groups:
-                got = set(np.flatnonzero(self.mgr.table[g.index, row] != BAD).tolist())
-                assert got == self.expected_blocks(m, g), (rid, g.index, sorted(got))
-        for row in set(range(self.spec.max_batch)) - live_rows:
-            assert (self.mgr.table[:, row] == BAD).all(), f"row {row} is free but not empty"
+        if hasattr(self, "mgr"):
+            self.model.check_table(self.mgr)
 
     @invariant()
     def released_slots_not_reused_while_seen(self):
@@ -221,11 +157,11 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.unfinished_seen = [(s, seen) for s, seen in self.unfinished_seen if not s.is_complete()]
         for s, seen in self.unfinished_seen:
-            for g, pool in zip(self.lay.groups, self.mgr.pools):
+            for g, pool in zip(self.geo.groups, self.mgr.pools):
                 free = set(pool.free_slots().tolist())
                 now = {}
-                for rid in self.mgr.request_ids:
-                    row = self.mgr.table[g.index, self.mgr.request(rid).row]
+                for rid in self.model.rids:
+                    row = self.mgr.table[g.index, self.model.request(rid).row]
                     for b in np.flatnonzero(row != BAD):
                         now[int(row[b])] = (rid, int(b))
                 for slot, what in seen[g.index].items():
