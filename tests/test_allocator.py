@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cupykv import BAD, CacheSpec, KVCacheManager, OutOfSlotsError
+from cupykv import CacheSpec, KVCacheManager, OutOfSlotsError
 from cupykv.allocator import SlotPool
+from oracle import check_stats, held_slots
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,17 +172,6 @@ def small_mgr(**kw):
     return KVCacheManager(CacheSpec(**args), backend="host")
 
 
-def row_slots(mgr, rid):
-    row = mgr.request(rid).row
-    return [sorted(int(v) for v in mgr.table[p, row] if v != BAD) for p in range(mgr.layout.num_groups)]
-
-
-def conserved(mgr):
-    for g in mgr.stats()["groups"]:
-        assert g["free"] + g["owned"] + g["scratch"] + g["quarantined"] == g["total"]
-        assert min(g["free"], g["owned"], g["scratch"], g["quarantined"]) >= 0
-
-
 def group_stat(mgr, key):
     return [g[key] for g in mgr.stats()["groups"]]
 
@@ -194,22 +184,22 @@ def test_free_during_unfinished_step_is_quarantined():
     s0 = mgr.prepare_batch(contexts={"A": 40})
     s0.finish()                           # recorded behind the gate: cannot complete
     mgr.settle(s0)
-    assert row_slots(mgr, "A") == [[0, 1, 2], [0, 1, 2]]
+    assert held_slots(mgr, "A") == [[0, 1, 2], [0, 1, 2]]
     assert not s0.is_complete()
 
     mgr.free("A")
     assert group_stat(mgr, "quarantined") == [3, 3]
     assert group_stat(mgr, "free") == [61, 61]
     assert group_stat(mgr, "owned") == [0, 0]
-    conserved(mgr)
+    check_stats(mgr)
     mgr.reclaim()                          # step 0 still unfinished: nothing moves
     assert group_stat(mgr, "quarantined") == [3, 3]
 
     mgr.add("B", 40)
     s1 = mgr.prepare_batch(contexts={"B": 40})
-    assert row_slots(mgr, "B") == [[3, 4, 5], [3, 4, 5]]   # not 0, 1, 2
+    assert held_slots(mgr, "B") == [[3, 4, 5], [3, 4, 5]]   # not 0, 1, 2
     for p in range(2):
-        assert not set(row_slots(mgr, "B")[p]) & {0, 1, 2}
+        assert not set(held_slots(mgr, "B")[p]) & {0, 1, 2}
         assert not {0, 1, 2} & set(mgr.pools[p].free_slots().tolist())
     assert group_stat(mgr, "quarantined") == [3, 3]
     s1.finish()
@@ -221,14 +211,14 @@ def test_free_during_unfinished_step_is_quarantined():
     mgr.reclaim()
     assert group_stat(mgr, "quarantined") == [0, 0]
     assert group_stat(mgr, "free") == [61, 61]
-    conserved(mgr)
+    check_stats(mgr)
     mgr.add("C", 40)
     s2 = mgr.prepare_batch(contexts={"C": 40})
-    assert row_slots(mgr, "C") == [[0, 1, 2], [0, 1, 2]]    # A's slots are back
+    assert held_slots(mgr, "C") == [[0, 1, 2], [0, 1, 2]]    # A's slots are back
     s2.finish()
     mgr.settle(s2)
     mgr.synchronize()
-    conserved(mgr)
+    check_stats(mgr)
 
 
 def test_free_before_settle_while_step_unfinished():
@@ -242,10 +232,10 @@ def test_free_before_settle_while_step_unfinished():
     assert group_stat(mgr, "quarantined") == [2, 2]
     mgr.settle(s0)                         # A is gone: nothing more to release
     assert group_stat(mgr, "quarantined") == [2, 2]
-    conserved(mgr)
+    check_stats(mgr)
     mgr.add("B", 16)
     s1 = mgr.prepare_batch(contexts={"B": 16})
-    assert row_slots(mgr, "B") == [[2], [2]]
+    assert held_slots(mgr, "B") == [[2], [2]]
     s1.finish()
     mgr.settle(s1)
     gate.open()
@@ -276,13 +266,13 @@ def test_free_quarantines_behind_the_last_prepared_step():
     mgr.add("C", 16)
     mgr.settle(s1)
     s2 = mgr.prepare_batch(contexts={"C": 16})
-    assert row_slots(mgr, "C") == [[2], [2]]          # not A's slot 0
+    assert held_slots(mgr, "C") == [[2], [2]]          # not A's slot 0
     s2.finish()
     mgr.settle(s2)
     gate.open()
     mgr.reclaim()
     assert group_stat(mgr, "quarantined") == [0, 0]
-    conserved(mgr)
+    check_stats(mgr)
 
 
 def test_shortage_covered_by_quarantine_waits_for_the_gate():
@@ -307,12 +297,12 @@ def test_shortage_covered_by_quarantine_waits_for_the_gate():
     assert mgr.state() == before
     gate.open()
     s1 = mgr.prepare_batch(contexts={"B": 16})     # the quarantine is lifted on the way
-    assert row_slots(mgr, "B") == [[0], [0]]
+    assert held_slots(mgr, "B") == [[0], [0]]
     s1.finish()
     mgr.settle(s1)
     mgr.synchronize()
     assert group_stat(mgr, "free") == [3, 3]
-    conserved(mgr)
+    check_stats(mgr)
 
 
 def test_stale_swa_blocks_are_quarantined_until_the_step_finishes():
@@ -330,11 +320,11 @@ def test_stale_swa_blocks_are_quarantined_until_the_step_finishes():
     gate = be.gate(be.stream)
     held = set()
     for _ in range(32):                     # h 64 -> 96: stale hi (97 - 32) // 16 = 4
-        before = set(row_slots(mgr, "A")[0])
+        before = set(held_slots(mgr, "A")[0])
         s = mgr.prepare_batch(generation=["A"])
         s.finish()
         mgr.settle(s)
-        held |= before - set(row_slots(mgr, "A")[0])
+        held |= before - set(held_slots(mgr, "A")[0])
     assert len(held) == 2                   # blocks 2 and 3 went stale
     assert group_stat(mgr, "quarantined")[0] == 2
     assert not held & set(mgr.pools[0].free_slots().tolist())
@@ -342,4 +332,4 @@ def test_stale_swa_blocks_are_quarantined_until_the_step_finishes():
     mgr.reclaim()
     assert group_stat(mgr, "quarantined") == [0, 0]
     assert held <= set(mgr.pools[0].free_slots().tolist())
-    conserved(mgr)
+    check_stats(mgr)

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupykv import reference
 from cupykv.backends.host import HostBackend
 from cupykv.layout import Layout
 from cupykv.spec import CacheSpec
 from cupykv.staging import MODE_DELTA, MODE_FULL, pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from oracle import expected_write_positions, reference_tables
 
 BAD = -1
 SENTINEL = 12345          # pre-fills outputs: rows >= num_seqs must still hold it afterwards
@@ -155,32 +155,6 @@ def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndar
     return flat.reshape(mirror.shape)
 
 
-def expected_tables(layout: Layout, case, table: np.ndarray, shared: bool) -> np.ndarray:
-    L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
-    if shared:
-        return reference.convert_shared(table, case.copy_idx, layout.group_scale,
-                                        out=np.full((P, N, 2, B), SENTINEL, np.int32))
-    return reference.convert_per_layer(table, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch,
-                                       layout.layer_group, layout.group_scale, layout.layer_koff,
-                                       out=np.full((L, N, 2, B), SENTINEL, np.int32))
-
-
-def expected_positions(layout: Layout, case, tables: np.ndarray, shared: bool):
-    """pages [L, T] and offsets [T] read off the reference tables: token t of entry s at position pos goes
-    to the K page of block pos // tpb (clamped to the row); shared tables add the layer's K offset."""
-    seq = np.repeat(np.arange(case.num_seqs), np.diff(case.cu_tokens))
-    pos = case.start_pos[seq] + (np.arange(len(seq)) - case.cu_tokens[seq])
-    blk = np.clip(pos // layout.tpb, 0, layout.max_blocks - 1)
-    pages = np.empty((layout.num_layers, len(seq)), np.int32)
-    for l in range(layout.num_layers):
-        if shared:
-            k = tables[layout.layer_group[l], seq, 0, blk].astype(np.int64)
-            pages[l] = np.where(k == BAD, BAD, k + layout.layer_koff[l])
-        else:
-            pages[l] = tables[l, seq, 0, blk]
-    return pages, (pos % layout.tpb).astype(np.int32)
-
-
 def assert_same(got: np.ndarray, want: np.ndarray, what: str, case) -> None:
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     diff = np.argwhere(got != want)
@@ -225,11 +199,13 @@ class StepBuffers:
     def check(self, case, table: np.ndarray, what: str) -> None:
         """Tables, padding rows, positions and untouched slack against the reference for `table`."""
         be, lay = self.backend, self.layout
-        want = expected_tables(lay, case, table, self.shared)
+        want = reference_tables(lay.spec, table, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch,
+                                shared=self.shared, fill=SENTINEL)
         out = be.to_numpy(self.out)
         assert_same(out, want, f"{what} tables", case)
         assert (out[:, case.num_seqs:] == SENTINEL).all(), f"{what}: rows >= num_seqs were written"
-        want_pages, want_off = expected_positions(lay, case, want, self.shared)
+        want_pages, want_off = expected_write_positions(lay.spec, want, np.diff(case.cu_tokens), case.start_pos,
+                                                        shared=self.shared)
         t = case.num_tokens
         pages, offsets = be.to_numpy(self.pages), be.to_numpy(self.offsets)
         assert_same(pages[:, :t], want_pages, f"{what} write pages", case)

@@ -18,7 +18,8 @@ import pytest
 import cupykv
 from cupykv import interop
 from cupykv.interop import CsrBuffers, InteropUnavailableError, csr_views
-from conftest import backend_or_skip, expected_tables
+from conftest import backend_or_skip
+from oracle import expected_tables
 from test_storage import drive, make_mgr
 
 BAD = -1

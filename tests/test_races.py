@@ -7,7 +7,7 @@ enqueue) must fail every one of these tests: that proves they catch the race.
 import pytest
 
 import cupykv
-from conftest import Capture
+from oracle import Capture
 
 STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
 

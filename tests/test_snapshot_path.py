@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from cupykv.layout import Layout
-from cupykv.reference import BAD, convert_per_layer
 from cupykv.spec import CacheSpec
+from oracle import BAD, reference_tables
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
@@ -72,8 +72,7 @@ def _random_step(rng, lay: Layout, num_seqs: int, num_contexts: int):
 
 
 def _reference(lay, table, copy_idx, nctx, begs, ends, scratch):
-    return convert_per_layer(table, copy_idx, nctx, begs[:, :nctx], ends[:, :nctx], scratch[:, :nctx],
-                             lay.layer_group, lay.group_scale, lay.layer_koff, max_batch=len(copy_idx))
+    return reference_tables(lay.spec, table, copy_idx, nctx, begs, ends, scratch)[:, :len(copy_idx)]
 
 
 def _run_steps(path, lay, rng, seed, steps=25):

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv.staging import pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from cupykv.staging import MODE_DELTA, MODE_FULL, pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from oracle import Capture
 
 
 def make(backend_name="host", **kw):
@@ -106,8 +107,6 @@ def test_verify_mirror_debug_option():
 
 def test_steady_batch_rewrites_only_changed_cells(backend_name):
     """Decode steps with the previous step's batch use DELTA mode; tables still equal the reference."""
-    from conftest import Capture
-    from cupykv.staging import MODE_DELTA, MODE_FULL
     spec = cupykv.CacheSpec(windows=[32, None, 32], num_kv_heads=1, head_dim=8, tokens_per_block=8,
                             max_seq_len=2048, max_batch=8, slots_per_group=2048)
     mgr = cupykv.KVCacheManager(spec, backend=backend_name)
