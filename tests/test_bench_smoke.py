@@ -22,6 +22,7 @@ SMOKE = ["--smoke", "--steps", "4", "--warmup", "1", "--no-plot"]
 OWN = {"cupykv": "per_layer", "cupykv-shared": "shared"}
 FLOORS = {"floor": "per_layer", "floor-shared": "shared"}
 TORCH = {"torch-eager": "per_layer", "per-group-peer": "shared"}
+GRAPHS = {"cupykv-graphs": "per_layer", "cupykv-shared-graphs": "shared"}     # twins with use_graphs=True
 
 
 def _check_rows(settings, result, contenders):
@@ -41,7 +42,7 @@ def _check_rows(settings, result, contenders):
             key = cfg + (name,)
             assert key in by_key, f"no row for {key}"
             row = by_key[key]
-            assert row["table_mode"] == {**OWN, **FLOORS, **TORCH}[name], key
+            assert row["table_mode"] == {**OWN, **GRAPHS, **FLOORS, **TORCH}[name], key
             if name in FLOORS:
                 assert row["error"] and row["device_us"] is None     # GPU timings, not measured on the host
                 continue
@@ -54,7 +55,7 @@ def _check_rows(settings, result, contenders):
             assert row["device_us"] is None          # the host backend has no device timer
             # the output was compared with cupykv.reference (and, for torch, with cupykv) in this run
             assert row["checks"] > 0 and row["mismatches"] == 0 and row["checked"] is True, key
-            if name in OWN:
+            if name in OWN or name in GRAPHS:
                 assert set(STAT_KEYS) <= set(row["host_total_us"])
             else:
                 assert row["host_total_us"] is None
@@ -97,6 +98,18 @@ def test_smoke_without_shared(tmp_path):
     _check_rows(settings, result, ["cupykv", "floor"])
     assert any("--no-shared" in m for m in result["meta"]["messages"])
     assert result["meta"]["settings"]["table_modes"] == ["per_layer"]
+
+
+def test_smoke_with_graph_twins():
+    """The -graphs rows (twin managers made with use_graphs=True; on the GPU by default) come out of the
+    host backend's op-by-op replay, checked, each mode's rows before its floor."""
+    settings = parse_args(SMOKE + ["--no-torch", "--batch", "2", "--contexts", "0,1"])
+    settings.graphs = True
+    result = run(settings)
+    names = list(OWN) + list(GRAPHS) + list(FLOORS)
+    _check_rows(settings, result, names)
+    order = [r["contender"] for r in result["rows"] if r["case"] == "decode"]
+    assert order == ["cupykv", "cupykv-graphs", "floor", "cupykv-shared", "cupykv-shared-graphs", "floor-shared"]
 
 
 def test_cli_prints_table(tmp_path, capsys):

@@ -1,7 +1,10 @@
 """`python -m cupykv.bench`: the benchmark (see cupykv/bench/harness.py for what is measured).
 
 Default: the full matrix (3 shapes x 32k/128k x batch 1/64/256 x 0/8 context chunks) on the GPU,
-writing bench.json, bench.md (the README table) and bench.png (with matplotlib) to --out.
+writing bench.json, bench.md (the README table) and bench.png (with matplotlib) to --out. Each
+configuration runs cupykv with PER_LAYER tables beside the torch full-snapshot contender (eager and
+compiled), and cupykv with SHARED tables beside the per-group-peer contender (persistent per-group
+device tables, a write list per step), each with its floor.
 --smoke: a tiny shape and a few steps, on the host backend unless --backend says otherwise.
 Exit status 1 when any output differed from cupykv.reference or a configuration failed (timings are
 never judged).
@@ -56,7 +59,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Settings:
                     help="skip the SHARED-table rows (cupykv-shared and the per-group-peer contender)")
     ap.add_argument("--compile", action="store_true", help="with --smoke: run the torch.compile contender too")
     ap.add_argument("--no-plot", action="store_true", help="do not write bench.png")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
     a = ap.parse_args(argv)
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     for s in shapes:

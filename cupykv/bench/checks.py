@@ -11,8 +11,8 @@ import numpy as np
 from .. import reference
 from ..manager import KVCacheManager
 
-# Sampled steps: four in a row every CHECK_EVERY, so each case and each cupykv variant (with and without
-# step graphs, which alternate every other pair of steps) is checked.
+# Sampled steps: four in a row every CHECK_EVERY, so that each case (decode-only runs alternate decode and
+# steady steps) is checked in every stretch of the run.
 CHECK_EVERY = 20
 CHECK_RUN = 4
 MAX_FULL_CELLS = 40000       # a step this small (entries x planes) is checked whole, once per case run

@@ -5,7 +5,8 @@ One Workload per (shape, max_seq_len, batch) (workload.py) drives a PER_LAYER ma
 on the same inputs, in the same run:
 
   cupykv                 KVCacheManager.prepare_batch, PER_LAYER tables, scratch reuse on (snapshot of
-  cupykv-graphs          the deltas, one copy, the kernels); with use_graphs every other pair of steps.
+  cupykv-graphs          the deltas, one copy, the kernels); -graphs: a twin manager with use_graphs=True
+                         (GPU only), fed the same steps.
   torch-eager            the reference system's path after its race fix, on the PER_LAYER manager's
   torch-compiled         inputs (contenders.py, snapshot_path.py).
   floor                  host: memcpyAsync of 4 KiB + one launch; device: memset of L x num_seqs x 2 x B
@@ -59,25 +60,23 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class Variant:
-    """One manager of a configuration and what runs on its steps: its own rows (`label`, and
-    `label`-graphs on the GPU) and the contenders fed its inputs."""
+LABELS = {"per_layer": "cupykv", "shared": "cupykv-shared"}
+FLOOR_NAMES = {"per_layer": "floor", "shared": "floor-shared"}
 
-    def __init__(self, mgr: KVCacheManager, label: str, floor_name: str):
+
+class Variant:
+    """One manager of a configuration and what runs on its steps: its own row (`name`) and the
+    contenders fed its inputs (on the manager without step graphs)."""
+
+    def __init__(self, mgr: KVCacheManager, table_mode: str, graphs: bool):
         self.mgr = mgr
-        self.label = label
-        self.floor_name = floor_name
-        self.table_mode = mgr.spec.table_mode
+        self.table_mode = table_mode
+        self.graphs = graphs
+        self.name = LABELS[table_mode] + ("-graphs" if graphs else "")
         self.planes = int(mgr.out.shape[0])
         self.contenders: List[TorchContender] = []
         self.failed: List[str] = []          # contenders that could not start (their rows carry the error)
         self.full_check_done = False
-
-    def name(self, graphs: bool) -> str:
-        return self.label + ("-graphs" if graphs else "")
-
-    def own_names(self, cuda: bool) -> List[str]:
-        return [self.name(False), self.name(True)] if cuda else [self.name(False)]
 
     def close(self) -> None:
         for c in self.contenders:
@@ -87,12 +86,12 @@ class Variant:
 
 def _variants(wl: Workload, settings: Settings, timer, use_torch: bool, rec: Recorder, cases: List[str],
               prefix: str, messages: List[str]) -> List[Variant]:
-    labels = {"per_layer": ("cupykv", "floor"), "shared": ("cupykv-shared", "floor-shared")}
     out = []
-    for mgr in wl.managers:
-        v = Variant(mgr, *labels[mgr.spec.table_mode])
-        if use_torch:
-            rows = np.array([mgr.request(r).row for r in wl.decode], np.int32)
+    # Any batch of the decode batch's size warms a contender up (its shapes; the peer's tables follow).
+    rows = np.arange(len(wl.decode), dtype=np.int32)
+    for mgr, (table_mode, graphs) in zip(wl.managers, wl.kinds):
+        v = Variant(mgr, table_mode, graphs)
+        if use_torch and not graphs:
             v.contenders, failed, notes = make_contenders(mgr, timer, settings.compile, wl.scratch_width, rows)
             messages.extend(f"{prefix}: {note}" for note in notes)
             for name, why in failed.items():
@@ -103,15 +102,13 @@ def _variants(wl: Workload, settings: Settings, timer, use_torch: bool, rec: Rec
     return out
 
 
-def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, graphs: bool, j: Optional[int],
-          settings: Settings, timer, rec: Recorder, check_rng: np.random.Generator) -> None:
+def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, j: Optional[int], settings: Settings, timer,
+          rec: Recorder, check_rng: np.random.Generator) -> None:
     """One step of `plan` on one manager and its contenders; recorded when j (measured index) is set."""
-    mgr, case = v.mgr, plan.case
+    mgr, case, name = v.mgr, plan.case, v.name
     ts0 = time.perf_counter()
     wl.apply(mgr, plan)                      # the frees and adds: the manager's part of scheduling
     ts1 = time.perf_counter()
-    mgr.use_graphs = graphs
-    name = v.name(graphs)
     step, sample = timer.measure(mgr.backend.stream,
                                  lambda: mgr.prepare_batch(contexts=plan.contexts, generation=plan.generation),
                                  ready=lambda st: st.ready)
@@ -152,7 +149,8 @@ def run_shape(settings: Settings, shape: Shape, seq: int, batch: int, rng: np.ra
     """All context variants of one (shape, seq, batch) on one workload; returns the result rows."""
     ctx_list = list(settings.contexts)
     cases = [case for nctx in ctx_list for case in cases_for(nctx)]
-    wl = Workload(shape, seq, batch, max(ctx_list), settings, rng, shared=settings.shared)
+    wl = Workload(shape, seq, batch, max(ctx_list), settings, rng, shared=settings.shared,
+                  graphs=timer.cuda if settings.graphs is None else settings.graphs)
     lay = wl.lay
     B, L = lay.max_blocks, lay.num_layers
     t_setup = time.perf_counter()
@@ -165,7 +163,9 @@ def run_shape(settings: Settings, shape: Shape, seq: int, batch: int, rng: np.ra
         if nctx:
             wl.setup_contexts(nctx)
         for v in variants:
-            floors[(nctx, v.label)] = timer.floor(live_bytes(v.planes, batch + nctx, B), min(settings.steps, 50))
+            if not v.graphs:
+                floors[(nctx, v.table_mode)] = timer.floor(live_bytes(v.planes, batch + nctx, B),
+                                                           min(settings.steps, 50))
             v.full_check_done = False
         for i in range(settings.warmup + settings.steps):
             j = i - settings.warmup if i >= settings.warmup else None
@@ -174,25 +174,25 @@ def run_shape(settings: Settings, shape: Shape, seq: int, batch: int, rng: np.ra
             tp0 = time.perf_counter()
             plan = wl.plan_ctx() if nctx else wl.plan_decode_only(pos)
             plan_s = time.perf_counter() - tp0
-            # every other pair of steps with cupykv's step graphs (use_graphs), same workload
-            graphs = timer.cuda and (i // 2) % 2 == 1
             for v in variants:
-                _step(v, wl, plan, plan_s, graphs, j, settings, timer, rec, check_rng)
+                _step(v, wl, plan, plan_s, j, settings, timer, rec, check_rng)
     wl.close()
     rows = []
     for nctx in ctx_list:
         for case in cases_for(nctx):
-            for v in variants:
+            for mode in dict.fromkeys(v.table_mode for v in variants):     # PER_LAYER first
+                group = [v for v in variants if v.table_mode == mode]
                 base = dict(shape=shape.name, max_seq_len=seq, batch=batch, contexts=nctx, case=case,
-                            table_mode=v.table_mode, num_layers=L, num_groups=lay.num_groups, max_blocks=B,
-                            max_batch=v.mgr.spec.max_batch, num_seqs=batch + nctx,
-                            live_bytes=live_bytes(v.planes, batch + nctx, B),
+                            table_mode=mode, num_layers=L, num_groups=lay.num_groups, max_blocks=B,
+                            max_batch=group[0].mgr.spec.max_batch, num_seqs=batch + nctx,
+                            live_bytes=live_bytes(group[0].planes, batch + nctx, B),
                             churn_per_step=wl.churn_k if not nctx else None)
-                floor = floors[(nctx, v.label)]
-                own = v.own_names(timer.cuda)
-                for name in own + [c.name for c in v.contenders] + v.failed:
-                    rows.append(rec.row(base, name, floor, with_total=name in own))
-                rows.append(floor_row(base, v.floor_name, floor, timer.cuda))
+                floor = floors[(nctx, mode)]
+                # cupykv's rows (with step graphs and without), the contenders', then the floor
+                rows.extend(rec.row(base, v.name, floor, with_total=True) for v in group)
+                rows.extend(rec.row(base, name, floor, with_total=False)
+                            for v in group for name in [c.name for c in v.contenders] + v.failed)
+                rows.append(floor_row(base, FLOOR_NAMES[mode], floor, timer.cuda))
     for v in variants:
         v.close()
     _log(f"  setup {setup_s:.1f} s")

@@ -84,6 +84,13 @@ class CudaTimer:
         self._small_host = None
         self._small_dev = None
         self._fbuf = None
+        # The floor launches the no-op behind a closed gate: its first launch loads it, which would block
+        # the host until the gate gives up. Load the gate's kernel and the no-op now, ungated.
+        with self.fstream:
+            probe = cupy.zeros(1, np.int32)
+        self.backend.gate(self.fstream, timeout_s=self.timeout_s).open()
+        self._noop((1,), (32,), (probe,), stream=self.fstream)
+        self.fstream.synchronize()
 
     def close(self) -> None:
         try:

@@ -67,6 +67,9 @@ class Settings:
     command: str = ""
     plot: bool = True
     shared: bool = True          # also run a SHARED-table manager (cupykv-shared rows, the per-group peer)
+    # Twins of the managers with use_graphs=True (the -graphs rows). None: on the GPU only; the host
+    # backend replays a "graph" op by op, which only tests can want.
+    graphs: Optional[bool] = None
 
 
 def config_rows(settings: Settings) -> List[dict]:
@@ -98,12 +101,13 @@ class Workload:
     """The managers for one (shape, max_seq_len, batch) and the requests that drive them.
 
     `mgr` is the PER_LAYER manager (scratch reuse on); with shared=True, `shared` is a SHARED-table
-    manager (no scratch reuse: SHARED tables cannot express it) fed the same requests. `managers` lists
-    both, PER_LAYER first.
+    manager (no scratch reuse: SHARED tables cannot express it) fed the same requests; with graphs=True
+    each of them has a twin made with use_graphs=True. `managers` lists them all, PER_LAYER first, each
+    twin after its manager, and `kinds` says what each is: (table_mode, use_graphs).
     """
 
     def __init__(self, shape: Shape, max_seq_len: int, batch: int, max_ctx: int, settings: Settings,
-                 rng: np.random.Generator, shared: bool = False):
+                 rng: np.random.Generator, shared: bool = False, graphs: bool = False):
         self.shape, self.max_seq_len, self.batch, self.max_ctx = shape, max_seq_len, batch, max_ctx
         self.settings, self.rng = settings, rng
         self.chunk = settings.chunk
@@ -133,13 +137,22 @@ class Workload:
 
         self.spec = CacheSpec(**base, slots_per_group=slots(True), swa_scratch_reuse=True,
                               max_step_tokens=max_step_tokens)
-        self.mgr = KVCacheManager(self.spec, backend=settings.backend)
-        self.shared: Optional[KVCacheManager] = None
+        specs = [self.spec]
         if shared:
             self.shared_spec = CacheSpec(**base, slots_per_group=slots(False), swa_scratch_reuse=False,
                                          table_mode="shared", max_step_tokens=max_step_tokens)
-            self.shared = KVCacheManager(self.shared_spec, backend=settings.backend)
-        self.managers: List[KVCacheManager] = [self.mgr] + ([self.shared] if self.shared is not None else [])
+            specs.append(self.shared_spec)
+        self.managers: List[KVCacheManager] = []
+        self.kinds: List[Tuple[str, bool]] = []
+        for spec in specs:
+            # The twin with step graphs is a manager of its own (use_graphs is a constructor argument):
+            # both get every step, so they are compared on the same steps.
+            for use_graphs in ((False, True) if graphs else (False,)):
+                self.managers.append(KVCacheManager(spec, backend=settings.backend, use_graphs=use_graphs))
+                self.kinds.append((spec.table_mode, use_graphs))
+        self.mgr = self.managers[0]
+        self.shared: Optional[KVCacheManager] = (self.managers[self.kinds.index(("shared", False))]
+                                                 if shared else None)
         self.lay = self.mgr.layout
         # scratch width of a context chunk of `chunk` tokens (one block more for an unaligned start)
         self.scratch_width = max([self.lay.scratch_slots_needed(g, cdiv(self.chunk, tpb) + 1)
