@@ -37,6 +37,8 @@ def _ints(text: str) -> List[int]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> Settings:
+    """The Settings the command line asks for (sys.argv when argv is None); bad input exits with status 2
+    and a message naming the flag."""
     ap = argparse.ArgumentParser(prog="python -m cupykv.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
@@ -87,15 +89,18 @@ def parse_args(argv: Optional[List[str]] = None) -> Settings:
     warmup = a.warmup if a.warmup is not None else d["warmup"]
     if steps < 2 or warmup < 0:
         ap.error("--steps must be >= 2 and --warmup >= 0")
+    chunk = a.chunk if a.chunk is not None else d["chunk"]
     argv_list = sys.argv[1:] if argv is None else list(argv)
     return Settings(shapes=shapes, seqs=seqs, batches=batches, contexts=contexts, steps=steps, warmup=warmup,
-                    chunk=a.chunk if a.chunk is not None else d["chunk"], tpb=d["tpb"], backend=a.backend or d["backend"],
+                    chunk=chunk, tpb=d["tpb"], backend=a.backend or d["backend"],
                     torch=not a.no_torch, compile=d["compile"], seed=a.seed, out=a.out or None, smoke=a.smoke,
                     command=" ".join(["python -m cupykv.bench"] + [shlex.quote(x) for x in argv_list]),
                     plot=not a.no_plot, shared=not a.no_shared)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the benchmark, print the table and write the outputs; the exit status (0: every output matched
+    the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix)."""
     settings = parse_args(argv)
     if settings.backend == "auto" and not settings.smoke:
         from ..backends import cuda_available

@@ -66,9 +66,9 @@ class StepCheck:
 
     def __init__(self, mgr: KVCacheManager, step, rng: np.random.Generator, full: bool):
         self.planes = int(mgr.out.shape[0])
-        self.sel = pick_rows(rng, step.num_seqs, step.num_contexts, self.planes,
-                             full=full and step.num_seqs * self.planes <= MAX_FULL_CELLS)
-        self.whole = len(self.sel) == step.num_seqs
+        n = len(step.rows)
+        self.sel = pick_rows(rng, n, step.num_contexts, self.planes, full=full and n * self.planes <= MAX_FULL_CELLS)
+        self.whole = len(self.sel) == n
         self.table_sub = mgr.table[:, step.rows[self.sel]].copy()
         self._mgr, self._step, self._want = mgr, step, None
 

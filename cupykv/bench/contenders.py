@@ -22,7 +22,7 @@ import numpy as np
 from ..manager import KVCacheManager
 from .peer_path import PerGroupPeerPath, table_writes
 from .snapshot_path import BAD
-from .timing import Sample
+from .timing import Sample, Timer
 
 
 class TorchContender:
@@ -34,7 +34,7 @@ class TorchContender:
 
     table_mode = "per_layer"
 
-    def __init__(self, name: str, mgr: KVCacheManager, timer):
+    def __init__(self, name: str, mgr: KVCacheManager, timer: Timer):
         import torch
         self.torch = torch
         self.name = name
@@ -94,7 +94,7 @@ class TorchContender:
 class SnapshotContender(TorchContender):
     """FullSnapshotPath eager or compiled (PER_LAYER)."""
 
-    def __init__(self, name: str, mgr: KVCacheManager, max_scratch_width: int, compile: bool, timer):
+    def __init__(self, name: str, mgr: KVCacheManager, max_scratch_width: int, compile: bool, timer: Timer):
         from .snapshot_path import FullSnapshotPath
         super().__init__(name, mgr, timer)
         lay = mgr.layout
@@ -126,7 +126,7 @@ class PeerContender(TorchContender):
 
     table_mode = "shared"
 
-    def __init__(self, name: str, mgr: KVCacheManager, timer):
+    def __init__(self, name: str, mgr: KVCacheManager, timer: Timer):
         super().__init__(name, mgr, timer)
         P, R, B = mgr.table.shape
         self.path = PerGroupPeerPath(P, R, mgr.spec.max_batch, B, mgr.layout.group_scale, device=self.device)
@@ -169,7 +169,7 @@ def _reset_dynamo() -> None:
         pass
 
 
-def make_contenders(mgr: KVCacheManager, timer, compile: bool, max_scratch_width: int,
+def make_contenders(mgr: KVCacheManager, timer: Timer, compile: bool, max_scratch_width: int,
                     warm_rows: np.ndarray) -> Tuple[List[TorchContender], Dict[str, str], List[str]]:
     """The contenders for `mgr`'s table mode, each warmed up on the batch `warm_rows`.
 

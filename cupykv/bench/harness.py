@@ -45,7 +45,7 @@ from .checks import StepCheck, check_step
 from .contenders import TorchContender, make_contenders, torch_status
 from .machine import free_device_memory, versions
 from .record import ROW_KEYS, STAT_KEYS, Recorder, error_row, evaluate_targets, floor_row, is_floor, live_bytes
-from .timing import make_timer
+from .timing import Timer, make_timer
 from .workload import (CASES_CTX, CASES_DECODE_ONLY, SHAPES, SMOKE_SHAPE, Plan, Settings, Shape, Workload,
                        cases_for, config_rows)
 
@@ -84,7 +84,7 @@ class Variant:
         self.contenders = []
 
 
-def _variants(wl: Workload, settings: Settings, timer, use_torch: bool, rec: Recorder, cases: List[str],
+def _variants(wl: Workload, settings: Settings, timer: Timer, use_torch: bool, rec: Recorder, cases: List[str],
               prefix: str, messages: List[str]) -> List[Variant]:
     out = []
     # Any batch of the decode batch's size warms a contender up (its shapes; the peer's tables follow).
@@ -102,7 +102,7 @@ def _variants(wl: Workload, settings: Settings, timer, use_torch: bool, rec: Rec
     return out
 
 
-def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, j: Optional[int], settings: Settings, timer,
+def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, j: Optional[int], settings: Settings, timer: Timer,
           rec: Recorder, check_rng: np.random.Generator) -> None:
     """One step of `plan` on one manager and its contenders; recorded when j (measured index) is set."""
     mgr, case, name = v.mgr, plan.case, v.name
@@ -113,7 +113,7 @@ def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, j: Optional[int],
                                  lambda: mgr.prepare_batch(contexts=plan.contexts, generation=plan.generation),
                                  ready=lambda st: st.ready)
     h2d = mgr.h2d_bytes_last_step
-    n = step.num_seqs
+    n = len(step.rows)
     check = None
     if j is not None and check_step(j, settings.smoke):
         check = StepCheck(mgr, step, check_rng, full=not v.full_check_done)   # copies the rows at prepare
@@ -145,7 +145,7 @@ def _step(v: Variant, wl: Workload, plan: Plan, plan_s: float, j: Optional[int],
 
 
 def run_shape(settings: Settings, shape: Shape, seq: int, batch: int, rng: np.random.Generator,
-              check_rng: np.random.Generator, timer, use_torch: bool, messages: List[str]) -> List[dict]:
+              check_rng: np.random.Generator, timer: Timer, use_torch: bool, messages: List[str]) -> List[dict]:
     """All context variants of one (shape, seq, batch) on one workload; returns the result rows."""
     ctx_list = list(settings.contexts)
     cases = [case for nctx in ctx_list for case in cases_for(nctx)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -188,6 +188,9 @@ class CudaTimer:
         return host, dev, wall
 
 
-def make_timer(backend):
+Timer = Union[CudaTimer, HostTimer]
+
+
+def make_timer(backend) -> Timer:
     """The timer for a backend: CudaTimer (gated, with device times) on 'cuda', HostTimer otherwise."""
     return CudaTimer(backend) if backend.name == "cuda" else HostTimer()
