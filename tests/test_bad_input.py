@@ -325,23 +325,34 @@ def test_out_of_slots():
     assert [g["free"] for g in mgr.stats()["groups"]] == [1, 0]
 
 
-def test_review_findings():
-    """Inputs a careful user could pass by mistake get clear errors; numpy ints are ints."""
+def numpy_spec_manager():
     spec = cupykv.CacheSpec(windows=[32, None], num_kv_heads=np.int64(1), head_dim=8, tokens_per_block=16,
                             max_seq_len=np.int32(256), max_batch=4, slots_per_group=np.int64(64))
-    mgr = cupykv.KVCacheManager(spec, backend="host")
+    return cupykv.KVCacheManager(spec, backend="host")
+
+
+def test_one_id_as_generation_is_refused():
+    mgr = numpy_spec_manager()
     mgr.add("req-1", 16)
     before = mgr.state()
     with pytest.raises(InvalidRequestError, match="list of request ids"):
         mgr.prepare_batch(generation="req-1")
     assert mgr.state() == before
+
+
+def test_request_handle_of_a_freed_request_raises():
+    mgr = numpy_spec_manager()
+    mgr.add("req-1", 16)
     req = mgr.request("req-1")
     mgr.free("req-1")
     mgr.add("other", 20)                          # takes the same row
     with pytest.raises(UnknownRequestError, match="was freed"):
         req.prompt_len
+
+
+def test_no_ring_slots_is_refused():
     with pytest.raises(cupykv.InvalidSpecError, match="ring_slots"):
-        cupykv.KVCacheManager(spec, backend="host", ring_slots=0, max_ring_slots=0)
+        cupykv.KVCacheManager(numpy_spec_manager().spec, backend="host", ring_slots=0, max_ring_slots=0)
 
 
 def test_failed_mirror_check_leaves_the_step_registered():
