@@ -131,10 +131,13 @@ def write_positions_to_torch(step, stream=None, trim: bool = True) -> Tuple[obje
 
 def pages_to_torch(storage, group: int, step_or_event=None, stream=None):
     """The page view [slots * scale, tpb, kv_heads, head_dim] of a group of a KVStorage as a tensor
-    (bfloat16 storage gives torch.bfloat16). step_or_event orders the consumer after that event only:
-    KVStorage.write enqueues on the manager stream after step.ready and returns no event, so to read what
-    it wrote, record an event on that stream after the write (mgr.backend.record(mgr.backend.stream)) and
-    pass that."""
+    (bfloat16 storage gives torch.bfloat16). step_or_event orders the consumer after that event only.
+
+    To read what KVStorage.write wrote, write on the consumer's own stream: storage.write(step, layer, k,
+    v, stream=stream) is ordered after step.ready on that stream, and every later read on it comes after
+    the write, so no event is needed (pass step_or_event=None). A write on the manager stream (the
+    default) returns no event: then record one on that stream after the write
+    (mgr.backend.record(mgr.backend.stream)) and pass it here."""
     return to_torch(storage.pages(group), step_or_event, stream)
 
 

@@ -1,15 +1,22 @@
 """KV storage owned by cupykv: one device array per layer group, addressed by the manager's page indices.
 
 Group g holds `[slots_g, scale_g, tpb, kv_heads, head_dim]`; its page view `[slots_g * scale_g, tpb,
-kv_heads, head_dim]` is what page indices address (DESIGN.md section 2): page p of layer l is
+kv_heads, head_dim]` is what page indices address (docs/design.md, Concepts): page p of layer l is
 `pages(group(l))[p]`, K at the index the tables give, V at K + 1.
 
 Users may bring their own storage and use only the tables; this class is the simple default, and the
 writer of each step's new K/V at the step's write positions (`KVCacheManager.write_pages` /
 `write_offsets`).
+
+K/V come in as numpy, CuPy or torch arrays of float16, bfloat16, float32 or float64. torch tensors are
+taken through DLPack (torch's __cuda_array_interface__ has no bfloat16), and bfloat16 is handled as raw
+16-bit words: copied as they are into bfloat16 storage, and converted with integer arithmetic otherwise
+(exact widening, round to nearest even when narrowing), so no CuPy kernel ever needs CuPy's bfloat16 type
+(some of its conversions do not compile: "no instance of constructor bfloat16::bfloat16").
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -18,6 +25,7 @@ from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import Layout
 
 DTYPES = ("float16", "bfloat16", "float32")
+SOURCE_DTYPES = ("float16", "bfloat16", "float32", "float64")    # what write() takes for K and V
 
 
 class StorageDtypeError(CupykvError, TypeError):
@@ -46,6 +54,55 @@ def resolve_dtype(dtype, xp=np) -> np.dtype:
             raise StorageDtypeError(f"this CuPy ({getattr(xp, '__version__', '?')}) cannot make bfloat16 arrays "
                                     f"({exc}); bfloat16 needs CuPy >= 14 with ml_dtypes installed") from None
     return dt
+
+
+def dtype_name(array) -> str:
+    """The dtype name of a numpy, CuPy or torch array ('float16', 'bfloat16', ...), without converting it."""
+    dt = getattr(array, "dtype", None)
+    if dt is None:
+        return np.asarray(array).dtype.name
+    return getattr(dt, "name", None) or str(dt).rsplit(".", 1)[-1]     # torch.dtype has no name: 'torch.bfloat16'
+
+
+def bf16_bits_to_f32(xp, bits):
+    """Raw bfloat16 words (uint16) -> float32 (exact: bfloat16 is the top half of a float32)."""
+    return (bits.astype(xp.uint32) << np.uint32(16)).view(xp.float32)
+
+
+def f32_to_bf16_bits(xp, x):
+    """float32 -> raw bfloat16 words (uint16), rounded to nearest, ties to even (as torch and ml_dtypes do);
+    overflow gives inf, NaN stays a quiet NaN of the same sign."""
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return xp.where(nan, (u >> np.uint32(16)) | np.uint32(0x0040), rounded).astype(xp.uint16)
+
+
+def storage_words(xp, array, source: str, storage: str):
+    """K or V as C-contiguous raw words of the storage dtype (uint16 for float16 and bfloat16, uint32 for
+    float32). array: an xp array of dtype `source`; a bfloat16 source comes as its raw uint16 words.
+    Already-matching data is not converted (zero-copy when contiguous). float64 is rounded to float32
+    first, on every backend (as CuPy's own float64 -> float16 conversion does)."""
+    if source == "float64":
+        array, source = array.astype(xp.float32), "float32"
+    if source == "bfloat16":
+        if storage == "bfloat16":
+            return xp.ascontiguousarray(array)
+        wide = bf16_bits_to_f32(xp, array)
+        return wide.view(xp.uint32) if storage == "float32" else wide.astype(xp.float16).view(xp.uint16)
+    if storage == "bfloat16":
+        return f32_to_bf16_bits(xp, array.astype(xp.float32, copy=False))
+    words = xp.uint16 if storage == "float16" else xp.uint32
+    return xp.ascontiguousarray(array.astype(storage, copy=False)).view(words)
+
+
+def _is_torch(array) -> bool:
+    return type(array).__module__.partition(".")[0] == "torch"
+
+
+def _torch_bf16_words(tensor):
+    """A torch bfloat16 tensor's raw 16-bit words, as a torch int16 view (shares memory)."""
+    return tensor.detach().view(sys.modules["torch"].int16)
 
 
 class KVStorage:
@@ -82,7 +139,12 @@ class KVStorage:
             shape = (slots, g.scale, self.tokens_per_block, self.num_kv_heads, self.head_dim)
             self.arrays.append(self._zeros(shape))
         self._errors = self._zeros((1,), np.int32)
+        if hasattr(backend, "load_kernels"):
+            # Now, while this waits for the device anyway: loading the write kernels at the first write
+            # could wait for every busy stream (lazy loading; CudaBackend.load_kernels).
+            backend.load_kernels("kv_write")
         self._sync()   # zero-filled before any stream uses them
+        self._words = np.uint16 if self.dtype.itemsize == 2 else np.uint32    # what the write kernel copies
 
     # -- views -----------------------------------------------------------------------------------
     @property
@@ -109,10 +171,18 @@ class KVStorage:
     def write(self, step, layer: int, k, v, stream=None) -> None:
         """Write K/V of the step's new tokens for one layer at the step's write positions.
 
-        k, v: [num_tokens, kv_heads, head_dim] in batch order (num_tokens = sum(step.num_tokens)), of any
-        float dtype (converted to the storage dtype). Enqueued on `stream` (default: the manager stream,
-        where it is ordered after step.ready; another stream is made to wait on step.ready first). k and v
-        must be ready on that stream; they are kept alive until the write has run.
+        k, v: [num_tokens, kv_heads, head_dim] in batch order (num_tokens = sum(step.num_tokens)): numpy,
+        CuPy or torch arrays of float16, bfloat16, float32 or float64, converted to the storage dtype
+        (rounded to nearest even; float64 through float32) unless they already have it. torch tensors are
+        taken through DLPack; on the host backend they must be CPU tensors. Other dtypes raise
+        StorageDtypeError naming both dtypes.
+
+        Enqueued on `stream`: a CuPy stream or a torch.cuda.Stream (default: the manager stream, where it
+        is ordered after step.ready; another stream is made to wait on step.ready first). k and v must be
+        ready on that stream (a torch tensor's DLPack export also orders it after torch's current stream);
+        they are kept alive until the write has run. A consumer that writes on its own stream reads the
+        pages on that stream after the write with no further event. A numpy k or v on the CUDA backend is
+        copied to the device first, which waits for that copy.
 
         With scratch reuse, layers alias each other's scratch pages: write layer l and run its attention
         before writing layer l + 1. Call before the next prepare_batch (it overwrites the write positions).
@@ -129,60 +199,64 @@ class KVStorage:
         layer = int(layer)
         n = int(np.sum(step.num_tokens))
         want = (n, self.num_kv_heads, self.head_dim)
+        sources = []
         for name, a in (("k", k), ("v", v)):
             if tuple(a.shape) != want:
                 raise InvalidRequestError(f"KVStorage.write: {name} has shape {tuple(a.shape)}, expected {want} "
                                           "(the step's new tokens, batch order)")
+            sources.append(self._source_dtype(name, a))
         be = self.backend
-        st = be.stream if stream is None else stream
+        st = be.stream if stream is None else self._stream(stream)
         if st is not be.stream:
             be.wait(st, step.ready)
-        dst = self.layer_pages(layer)
+        dst = self.layer_pages(layer).view(self._words)
         pages = step.write_pages[layer]
         offsets = step.write_offsets
         if self.xp is np:
-            self._write_host(st, pages, offsets, k, v, dst, n)
+            self._write_host(st, pages, offsets, self._host_array("k", k), self._host_array("v", v), sources,
+                             dst, n)
             return
         import cupy
-        with st:
-            kd = cupy.ascontiguousarray(cupy.asarray(k), dtype=self.dtype)
-            vd = cupy.ascontiguousarray(cupy.asarray(v), dtype=self.dtype)
+        with st:      # DLPack orders st after the producer's stream; the conversions run on st
+            kd, vd = (storage_words(cupy, self._device_array(a), src, self.dtype.name)
+                      for a, src in zip((k, v), sources))
         be.write_kv(st, pages, offsets, kd, vd, dst, n, self.tokens_per_block, self._errors)
         be.keep_until(be.record(st), k, v, kd, vd)
 
-    def _write_host(self, stream, pages, offsets, k, v, dst, n) -> None:
-        tpb, errors = self.tokens_per_block, self._errors
-        k = np.asarray(k)
-        v = np.asarray(v)
+    def _write_host(self, stream, pages, offsets, k, v, sources, dst, n) -> None:
+        tpb, errors, storage = self.tokens_per_block, self._errors, self.dtype.name
 
-        def run():   # on the simulated stream: reads the write positions when it runs, as the kernel does
+        def run():   # on the simulated stream: reads the write positions and K/V when it runs, as the kernel does
             p = pages[:n].astype(np.int64)
             o = offsets[:n].astype(np.int64)
             ok = (p >= 0) & (p + 1 < dst.shape[0]) & (o >= 0) & (o < tpb)
             errors[0] += int(np.count_nonzero(~ok))
-            dst[p[ok], o[ok]] = k[ok].astype(dst.dtype)
-            dst[p[ok] + 1, o[ok]] = v[ok].astype(dst.dtype)
+            with np.errstate(over="ignore", invalid="ignore"):    # inf and NaN, silently, as on the device
+                dst[p[ok], o[ok]] = storage_words(np, k, sources[0], storage)[ok]
+                dst[p[ok] + 1, o[ok]] = storage_words(np, v, sources[1], storage)[ok]
         stream.enqueue(run)
 
     def gather(self, step, layer: int, stream=None) -> Tuple[object, object]:
         """Read back K/V of the step's new tokens for one layer from their write positions:
-        ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD). Ordered on `stream` (default the manager stream)
-        after the work already enqueued there; on the host backend this waits for it."""
+        ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD).
+        Ordered on `stream` (default the manager stream) after the work already enqueued there; on the host
+        backend this waits for it."""
         be = self.backend
         n = int(np.sum(step.num_tokens))
-        st = be.stream if stream is None else stream
-        dst = self.layer_pages(int(layer))
+        st = be.stream if stream is None else self._stream(stream)
+        # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
+        dst = self.layer_pages(int(layer)).view(self._words)
         # A token whose write page is BAD was not written (errors() counts it): its values here are
         # undefined (index -1 reads the last page).
         if self.xp is np:
             st.synchronize()
             p = step.write_pages[int(layer), :n].astype(np.int64)
             o = step.write_offsets[:n].astype(np.int64)
-            return dst[p, o].copy(), dst[p + 1, o].copy()
+            return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
         with st:
             p = step.write_pages[int(layer), :n]
             o = step.write_offsets[:n]
-            return dst[p, o], dst[p + 1, o]
+            return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
 
     def errors(self) -> int:
         """Tokens skipped so far because their write page was BAD or out of range (waits for the device)."""
@@ -199,3 +273,46 @@ class KVStorage:
 
     def _sync(self) -> None:
         self.backend.stream.synchronize()
+
+    def _stream(self, stream):
+        """A stream of this storage's backend: torch streams become CuPy streams on the CUDA backend."""
+        if self.xp is np or hasattr(stream, "ptr"):
+            return stream
+        from .interop import cupy_stream
+        return cupy_stream(stream)
+
+    def _source_dtype(self, name: str, array) -> str:
+        source = dtype_name(array)
+        if source not in SOURCE_DTYPES:
+            raise StorageDtypeError(f"KVStorage.write: {name} has dtype {source}; {self.dtype.name} storage takes "
+                                    f"{', '.join(SOURCE_DTYPES)}")
+        return source
+
+    @staticmethod
+    def _host_array(name: str, array) -> np.ndarray:
+        """A numpy view of a host K/V argument; bfloat16 as its raw uint16 words."""
+        if _is_torch(array):
+            if array.device.type != "cpu":
+                raise InvalidRequestError(f"KVStorage.write: {name} is a {array.device} tensor; the host backend's "
+                                          "storage takes CPU tensors (or numpy arrays)")
+            if dtype_name(array) == "bfloat16":
+                return _torch_bf16_words(array).numpy().view(np.uint16)
+            return array.detach().numpy()
+        array = np.asarray(array)
+        return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+
+    @staticmethod
+    def _device_array(array):
+        """A CuPy view of a K/V argument (zero-copy on the device; a host array is copied); bfloat16 as its
+        raw uint16 words, so that nothing downstream needs CuPy's bfloat16 type."""
+        import cupy
+        if _is_torch(array):
+            if dtype_name(array) == "bfloat16":
+                return cupy.from_dlpack(_torch_bf16_words(array)).view(cupy.uint16)
+            return cupy.from_dlpack(array.detach())
+        if not isinstance(array, cupy.ndarray):
+            if isinstance(array, np.ndarray) or not hasattr(array, "__dlpack__"):
+                host = np.asarray(array)
+                return cupy.asarray(host.view(np.uint16) if host.dtype.name == "bfloat16" else host)
+            array = cupy.from_dlpack(array)
+        return array.view(cupy.uint16) if array.dtype.name == "bfloat16" else array

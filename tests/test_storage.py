@@ -10,6 +10,7 @@
 
 Host-backend parts run in CI; CUDA parts skip without a GPU.
 """
+import math
 import sys
 
 import numpy as np
@@ -20,7 +21,7 @@ from cupykv.backends.host import HostBackend
 from cupykv.layout import Layout
 from cupykv.spec import CacheSpec
 from cupykv.staging import pack_snapshot, snapshot_words
-from cupykv.storage import KVStorage, StorageDtypeError
+from cupykv.storage import KVStorage, StorageDtypeError, bf16_bits_to_f32, f32_to_bf16_bits
 from conftest import backend_or_skip, expected_tables
 
 BAD = -1
@@ -302,3 +303,178 @@ def test_storage_write_and_read_through_tables(backend_name, mode, dtype):
     drive(mgr, on_step, num_steps=24)
     assert st.errors() == 0
     assert counts["keys"] > 1000
+
+
+# -- dtypes: every float source into every storage dtype, from numpy, CuPy and torch ---------------------
+#
+# The oracle rounds exactly: a value of the source dtype, as a float64 (exact for all of them), is rounded to
+# the storage format's precision by integer arithmetic (Python's round() is half-to-even on the exact value).
+
+FORMATS = {"float16": (11, -14, 15), "bfloat16": (8, -126, 127), "float32": (24, -126, 127)}   # bits, emin, emax
+WORDS = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32}
+
+
+def round_to(x: float, storage: str) -> float:
+    """x rounded to the nearest value of `storage` (ties to even; past the largest finite value: inf)."""
+    bits, emin, emax = FORMATS[storage]
+    if not np.isfinite(x) or x == 0:
+        return x
+    e = max(math.frexp(abs(x))[1] - 1, emin)           # |x| in [2^e, 2^(e+1)); subnormals use emin's spacing
+    ulp = 2.0 ** (e - bits + 1)
+    r = round(abs(x) / ulp) * ulp                      # exact: ulp is a power of two
+    r = math.inf if r >= 2.0 ** (emax + 1) else r
+    return math.copysign(r, x)
+
+
+def expected_words(values: np.ndarray, storage: str) -> np.ndarray:
+    """The storage words of `values` (float64) rounded to `storage`."""
+    rounded = np.array([round_to(float(x), storage) for x in values.ravel()]).reshape(values.shape)
+    if storage == "bfloat16":                          # exact in float32, and bfloat16 is its top half
+        return (rounded.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return rounded.astype(storage).view(WORDS[storage])
+
+
+def bf16_value(words: np.ndarray) -> np.ndarray:
+    """The values of raw bfloat16 words, from the format's definition (float64)."""
+    w = words.astype(np.int64)
+    sign = np.where(w & 0x8000, -1.0, 1.0)
+    exp, man = (w >> 7) & 0xFF, (w & 0x7F).astype(np.float64)
+    value = np.where(exp == 0, man / 128 * 2.0 ** -126, (1 + man / 128) * 2.0 ** (exp.astype(np.float64) - 127))
+    value = np.where(exp == 0xFF, np.where(man == 0, np.inf, np.nan), value)
+    return sign * value
+
+
+def source_values(rng, source: str, shape) -> np.ndarray:
+    """float64 values that the source dtype holds exactly: random ones, ties of every narrowing (halfway
+    between two bfloat16 / float16 neighbours), tiny and huge ones."""
+    n = int(np.prod(shape))
+    if source == "bfloat16":
+        words = rng.integers(0, 0x10000, n).astype(np.uint16)
+        words[(words & 0x7F80) == 0x7F80] &= 0xBFFF                    # finite only: clear an exponent bit
+        return bf16_value(words).reshape(shape)
+    x = rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))
+    f32_ties = (np.float32(1.0) + np.arange(8, dtype=np.float32) * np.float32(2.0 ** -8)
+                + np.float32(2.0 ** -9)).astype(np.float64)             # halfway between bfloat16 neighbours
+    x[:8] = f32_ties * [1, -1, 2, -2, 3e-3, -3e3, 1e-38, 3e38]
+    x[8] = 1 + 2.0 ** -11                                              # halfway between float16 neighbours
+    with np.errstate(over="ignore"):                                   # float16 holds the large ones as inf
+        return x.astype(source).astype(np.float64).reshape(shape)
+
+
+def make_source(producer: str, source: str, values: np.ndarray, device: str):
+    """values as a `source` array of `producer` ('numpy', 'cupy', 'torch' on `device`, 'cpu' or 'cuda')."""
+    if source == "bfloat16":
+        words = expected_words(values, "bfloat16")                     # exact: values are bfloat16 already
+        if producer == "torch":
+            torch = pytest.importorskip("torch", reason="torch is not installed")
+            return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).to(device)
+        ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 numpy/CuPy arrays need ml_dtypes")
+        if producer == "cupy":
+            import cupy
+            return cupy.asarray(words).view(ml_dtypes.bfloat16)
+        return words.view(ml_dtypes.bfloat16)
+    host = values.astype(source)
+    if producer == "numpy":
+        return host
+    if producer == "cupy":
+        import cupy
+        return cupy.asarray(host)
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    return torch.from_numpy(host).to(device)
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("source", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("producer", ["numpy", "cupy", "torch"])
+def test_write_converts_every_source_dtype(backend_name, producer, source, storage):
+    """K/V of every float dtype, from each producer, land in the storage rounded to nearest even (float64
+    through float32), or copied as raw words when the dtypes match."""
+    if producer == "cupy" and backend_name != "cuda":
+        pytest.skip("CuPy arrays go to the CUDA backend's storage")
+    mgr = make_mgr(backend_name, "per_layer_sinks")
+    st = storage_or_skip(mgr, storage)
+    mgr.add("r0", 12)
+    step = mgr.prepare_batch({"r0": 12})
+    shape = (12, mgr.spec.num_kv_heads, mgr.spec.head_dim)
+    values = source_values(np.random.default_rng(7), source, shape)
+    device = "cuda" if backend_name == "cuda" else "cpu"
+    k, v = (make_source(producer, source, x, device) for x in (values, -values))
+    st.write(step, 0, k, v)
+    if source == "float64":
+        with np.errstate(over="ignore"):
+            values = values.astype(np.float32).astype(np.float64)
+    gk, gv = st.gather(step, 0)
+    got_k, got_v = (np.asarray(mgr.backend.to_numpy(g)).view(WORDS[storage]) for g in (gk, gv))
+    assert np.array_equal(got_k, expected_words(values, storage)), f"K {producer} {source} -> {storage}"
+    assert np.array_equal(got_v, expected_words(-values, storage)), f"V {producer} {source} -> {storage}"
+    step.finish()
+    assert st.errors() == 0
+
+
+def test_write_rejects_non_float_dtypes_before_writing():
+    mgr = make_mgr("host", "shared")
+    st = KVStorage(mgr)
+    mgr.add("a", 10)
+    step = mgr.prepare_batch({"a": 10})
+    ok = np.ones((10, 2, 4), np.float32)
+    for bad in (np.ones((10, 2, 4), np.int32), np.ones((10, 2, 4), np.complex64), np.ones((10, 2, 4), bool)):
+        message = f"v has dtype {bad.dtype.name}; float32 storage takes float16"
+        with pytest.raises(StorageDtypeError, match=message) as info:
+            st.write(step, 0, ok, bad)
+        assert isinstance(info.value, cupykv.CupykvError)
+    step.finish()
+    mgr.synchronize()
+    assert not any(a.any() for a in st.arrays), "a rejected write changed the storage"
+
+
+def test_bf16_rounding_matches_the_exact_oracle():
+    """f32_to_bf16_bits against exact rounding over random float32 bit patterns (every exponent, subnormals)
+    and the edge cases: ties both ways, the overflow threshold, zeros, infinities; NaN stays NaN."""
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    edge = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x00008000,
+                     0x00018000, 0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF],
+                    np.uint32)
+    x = np.concatenate((words, edge)).view(np.float32)
+    got = f32_to_bf16_bits(np, x)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], expected_words(x[~nan].astype(np.float64), "bfloat16"))
+    assert np.isnan(bf16_value(got[nan])).all()
+    assert np.array_equal(got[nan] & 0x8000, (x[nan].view(np.uint32) >> 16).astype(np.uint16) & 0x8000)
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (a second oracle) is not installed")
+    assert np.array_equal(got[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_bf16_widening_is_exact():
+    words = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(invalid="ignore"):                                # signalling NaNs stay NaN
+        got = bf16_bits_to_f32(np, words).astype(np.float64)
+    want = bf16_value(words)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], want[~nan])
+    assert np.array_equal(np.signbit(got[~nan]), np.signbit(want[~nan]))
+
+
+def test_write_on_the_consumers_torch_stream_needs_no_event():
+    """pages_to_torch(storage, g, None, stream) reads what write(..., stream=the same torch stream) wrote:
+    the write is ordered on that stream (after step.ready), so no event is needed in between."""
+    backend_or_skip("cuda")
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cupykv import interop
+    mgr = make_mgr("cuda", "per_layer_sinks")
+    st = KVStorage(mgr, dtype="float16")
+    mgr.add("r0", 12)
+    step = mgr.prepare_batch({"r0": 12})
+    values = source_values(np.random.default_rng(5), "float32", (12, 2, 4))
+    ts = torch.cuda.Stream()
+    with torch.cuda.stream(ts):
+        k = torch.from_numpy(values.astype(np.float32)).to("cuda", non_blocking=True)
+        st.write(step, 0, k, -k, stream=ts)
+        pages = interop.pages_to_torch(st, st.group_of(0), None, ts)
+        p = interop.write_positions_to_torch(step, ts)[0][0].long()
+        o = interop.write_positions_to_torch(step, ts)[1].long()
+        got = pages[p, o].clone()
+    interop.finish_on_torch(step, ts)
+    ts.synchronize()
+    assert np.array_equal(got.cpu().numpy().view(np.uint16), expected_words(values, "float16"))
