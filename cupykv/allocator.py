@@ -1,15 +1,21 @@
-"""Slot pools: one per layer group, with a quarantine for released slots.
+"""Slot pools: one per layer group: free slots and quarantine; with prefix caching also reference counts
+and evictable (cached) slots.
 
 A released slot may still be read (or written) by steps that were prepared while it was mapped, so it
 waits in quarantine, tagged with the id of the last step prepared before its release, until every step
-up to that id has finished. Only then does it return to the free list.
+up to that id has finished. Only then can it be handed out again.
+
+SlotPool is the pool without prefix caching: every slot has at most one holder, and a slot whose
+quarantine lifts is free. CachingSlotPool overrides what changes when slots can be shared and cached.
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Deque, Tuple
+from collections import OrderedDict, deque
+from typing import Callable, Deque, Optional, Tuple
 
 import numpy as np
+
+NO_TAG = -1
 
 
 class SlotPool:
@@ -18,6 +24,9 @@ class SlotPool:
     The order is deterministic (a fresh pool hands out 0, 1, 2, ...; reclaimed slots come out next, in
     ascending order per reclaim), so managers that see the same calls make the same decisions.
     """
+
+    num_evictable = 0
+    evictions = 0
 
     def __init__(self, num_slots: int):
         self.total = num_slots
@@ -30,17 +39,26 @@ class SlotPool:
     def num_free(self) -> int:
         return self._top
 
+    @property
+    def num_available(self) -> int:
+        """Slots allocate() can hand out now."""
+        return self._top + self.num_evictable
+
     def allocate(self, k: int) -> np.ndarray:
-        """Pop k slots. The caller has checked num_free first (all-or-nothing steps)."""
+        """Pop k slots. The caller has checked num_available first (all-or-nothing steps)."""
         assert 0 <= k <= self._top, (k, self._top)
         self._top -= k
         return self._stack[self._top:self._top + k][::-1].copy()
 
-    def release(self, slots: np.ndarray, tag: int) -> None:
-        """Quarantine slots until every step with id <= tag has finished."""
+    def release(self, slots: np.ndarray, tag: int) -> np.ndarray:
+        """Quarantine slots until every step with id <= tag has finished; returns the quarantined slots."""
         if len(slots) == 0:
-            return
+            return slots
         slots = np.array(slots, np.int32)      # a copy: the caller's array may change later
+        self._enter_quarantine(slots, tag)
+        return slots
+
+    def _enter_quarantine(self, slots: np.ndarray, tag: int) -> None:
         if self._quarantine and self._quarantine[-1][0] == tag:
             self._quarantine[-1] = (tag, np.concatenate((self._quarantine[-1][1], slots)))
         else:
@@ -48,22 +66,27 @@ class SlotPool:
         self.num_quarantined += len(slots)
 
     def reclaim(self, finished_through: int) -> int:
-        """Return quarantined slots whose tag <= finished_through to the free list; returns how many."""
+        """Lift the quarantine of entries with tag <= finished_through; returns how many slots."""
         moved = 0
         while self._quarantine and self._quarantine[0][0] <= finished_through:
-            _, slots = self._quarantine.popleft()
-            # released lowest-first ends up on top in ascending order, so reuse stays deterministic
-            # The quarantine owns these arrays (see release). A freed request's slots come in long ascending
-            # runs (allocated from the stack in order): timsort takes 2 us for 4k of them, quicksort 40.
-            slots.sort(kind="stable")
-            self._stack[self._top:self._top + len(slots)] = slots[::-1]
-            self._top += len(slots)
-            moved += len(slots)
+            moved += self._lift(*self._quarantine.popleft())
         self.num_quarantined -= moved
         return moved
 
+    def _lift(self, tag: int, slots: np.ndarray) -> int:
+        self._push_free(slots)
+        return len(slots)
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        # released lowest-first ends up on top in ascending order, so reuse stays deterministic. The
+        # quarantine owns these arrays (see release). A freed request's slots come in long ascending runs
+        # (allocated from the stack in order): timsort takes 2 us for 4k of them, quicksort 40.
+        slots.sort(kind="stable")
+        self._stack[self._top:self._top + len(slots)] = slots[::-1]
+        self._top += len(slots)
+
     def quarantined_through(self, tag: int) -> int:
-        """Slots that reclaim(tag) would return."""
+        """Slots that reclaim(tag) would lift."""
         return sum(len(s) for t, s in self._quarantine if t <= tag)
 
     def quarantined_slots(self) -> np.ndarray:
@@ -74,3 +97,88 @@ class SlotPool:
 
     def state(self) -> tuple:
         return (self._stack[:self._top].tobytes(), tuple((t, s.tobytes()) for t, s in self._quarantine))
+
+
+class CachingSlotPool(SlotPool):
+    """A pool whose slots can be shared (a cache hit maps one slot into several rows) and cached.
+
+    `refs` counts the holders of each slot (table cells and scratch borrowings); a slot enters quarantine
+    when its last holder lets go. When its quarantine lifts, a slot the prefix cache still names
+    (`hashed`, set by the cache) becomes evictable instead of free: still a hit, handed out only after
+    every free slot, least recently released first (the cache forgets it then, through on_evict).
+
+    A hit takes a slot back from the evictable list or out of quarantine (it only reads the KV). A
+    quarantine entry is valid only for the slots whose `qtag` still equals its tag: a hit clears it, a
+    later release gives the slot a newer one.
+    """
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)
+        self.refs = np.zeros(num_slots, np.int32)
+        self.qtag = np.full(num_slots, NO_TAG, np.int64)
+        self.hashed = np.zeros(num_slots, bool)
+        self._evictable: "OrderedDict[int, None]" = OrderedDict()
+        self.on_evict: Optional[Callable[[np.ndarray], None]] = None
+        self.evictions = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def allocate(self, k: int) -> np.ndarray:
+        """k slots with one holder each: free slots first, then the least recently released evictable
+        ones (the cache forgets them). The caller has checked num_available."""
+        assert 0 <= k <= self.num_available, (k, self.num_available)
+        take = min(k, self._top)
+        slots = super().allocate(take)
+        if take < k:
+            evicted = np.array([self._evictable.popitem(last=False)[0] for _ in range(k - take)], np.int32)
+            self.hashed[evicted] = False
+            self.evictions += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            slots = np.concatenate((slots, evicted))
+        self.refs[slots] = 1
+        return slots
+
+    def acquire(self, slots: np.ndarray) -> None:
+        """One more holder for each of these cached slots (a hit): back from evictable or quarantine."""
+        for s in slots[self.refs[slots] == 0].tolist():
+            if self._evictable.pop(s, False) is False and self.qtag[s] != NO_TAG:
+                self.qtag[s] = NO_TAG
+                self.num_quarantined -= 1
+        np.add.at(self.refs, slots, 1)
+
+    def release(self, slots: np.ndarray, tag: int) -> np.ndarray:
+        """Drop one holder of each slot; slots left with none are quarantined (returned)."""
+        if len(slots) == 0:
+            return slots
+        np.subtract.at(self.refs, slots, 1)
+        last = slots[self.refs[slots] == 0]
+        last = np.unique(last) if len(last) > 1 else last.astype(np.int32, copy=True)   # two holders may let go at once
+        if len(last):
+            self.qtag[last] = tag
+            self._enter_quarantine(last.astype(np.int32, copy=False), tag)
+        return last
+
+    def _lift(self, tag: int, slots: np.ndarray) -> int:
+        slots = slots[self.qtag[slots] == tag]          # not taken by a hit, not released again since
+        self.qtag[slots] = NO_TAG
+        cached = self.hashed[slots]
+        self._evictable.update((s, None) for s in slots[cached].tolist())
+        self._push_free(slots[~cached])
+        return len(slots)
+
+    def quarantined_through(self, tag: int) -> int:
+        return sum(int(np.count_nonzero(self.qtag[s] == t)) for t, s in self._quarantine if t <= tag)
+
+    def quarantined_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)
+
+    def evictable_slots(self) -> np.ndarray:
+        """Evictable slots, least recently released first."""
+        return np.fromiter(self._evictable, np.int32, len(self._evictable))
+
+    def state(self) -> tuple:
+        return super().state() + (self.refs.tobytes(), self.qtag.tobytes(), self.hashed.tobytes(),
+                                  tuple(self._evictable))

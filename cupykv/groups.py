@@ -88,9 +88,10 @@ class LayerGroup:
         return cdiv(num_scratch_blocks * 2, self.scale)
 
     def new_blocks(self, start, capacity):
-        """Blocks that tokens [start, capacity) open: [ceil(start / tpb), ceil(capacity / tpb))."""
-        tpb = self.tokens_per_block
-        return cdiv(start, tpb), cdiv(capacity, tpb)
+        """Blocks that tokens [start, capacity) open: [ceil(start / tpb), ceil(capacity / tpb)) (ints or
+        int64 arrays, >= 0)."""
+        up = self.tokens_per_block - 1
+        return (start + up) >> self._shift, (capacity + up) >> self._shift
 
     def rewind_blocks(self, capacity: int, rejected: int) -> Tuple[int, int]:
         """Blocks that rejecting the last `rejected` of `capacity` tokens gives back (never stale ones:

@@ -243,7 +243,8 @@ class KVCacheManager:
                                         f"{spec.step_token_capacity}")
         # The blocks the generation tokens open: the same in every group (generation is never scratch).
         lo, hi = lay.groups[0].new_blocks(cap, cap + k)
-        new_rows, new_blocks = _expand_ranges(gen_rows[hi > lo], lo[hi > lo], hi[hi > lo])
+        opened = np.flatnonzero(hi > lo)
+        new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
         need = [len(new_rows)] * lay.num_groups
         for per_group in ctx_blocks:
             for g, (b_lo, b_hi, s_lo, s_hi) in zip(lay.groups, per_group):
