@@ -1,14 +1,25 @@
 """CUDA graphs: consumers captured once read the right pages through the fixed-address tables for many
-steps of a changing workload; and the manager's own step runs as graph replays (use_graphs=True).
+steps of a changing workload; the manager's own step runs as graph replays (use_graphs=True); and a
+prepare_batch that needs a new graph never waits for the device, even while a gate holds the manager
+stream (run as a script, this file runs that check in a fresh process: see the end of the file).
 
 The capture tests need a GPU; the manager's graph path is also exercised on the host backend by the
 race tests and the property test (the host backend enqueues the same work op by op).
 """
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import cupykv
 from conftest import backend_or_skip, expected_tables
+from oracle import Capture
 
 PAD = 8          # the consumer's fixed batch size
 
@@ -55,10 +66,13 @@ def workload(mgr, rng, steps):
                 mgr.free(r)
 
 
-def make(use_graphs):
-    spec = cupykv.CacheSpec(windows=[32, None, 32, 32], num_kv_heads=1, head_dim=4, tokens_per_block=8,
+def make_spec() -> cupykv.CacheSpec:
+    return cupykv.CacheSpec(windows=[32, None, 32, 32], num_kv_heads=1, head_dim=4, tokens_per_block=8,
                             max_seq_len=1024, max_batch=12, slots_per_group=[96, 400], dtype="float32")
-    return cupykv.KVCacheManager(spec, backend="cuda", use_graphs=use_graphs)
+
+
+def make(use_graphs, backend="cuda"):
+    return cupykv.KVCacheManager(make_spec(), backend=backend, use_graphs=use_graphs)
 
 
 @pytest.mark.parametrize("use_graphs", [False, True])
@@ -149,3 +163,167 @@ def test_captured_torch_consumer(use_graphs):
         assert np.array_equal(dest.cpu().numpy(), want), f"step {step.id}"
         checked += 1
     assert checked > 40
+
+
+# -- prepare_batch never waits for the device while it captures a graph -------------------------------------
+#
+# A gate holds the manager stream while a scheduler thread prepares a burst of steps, each of which needs a
+# graph no earlier step had (a new batch-size bucket), and a consumer on its own stream waits on each
+# step.ready. Every prepare_batch must return while its step is still queued behind the gate: its ready
+# event not done and the gate not timed out. A prepare that waited for the device would return only once
+# the gate let go on its own (GATE_S); the thread join bounds how long the test waits for that.
+
+GATE_S = 30.0        # a gate nobody opens lets its stream go after this long
+JOIN_S = 20.0        # the scheduler thread's time for the whole burst before the test calls it blocked
+PROMPTS = {"p0": 40, "p1": 30, "p2": 30, "p3": 20, "p4": 20, "p5": 20}
+BURST = (({"p0": 40}, []),                                      # batch buckets 1, 2, 4, then 8
+         ({"p1": 30, "p2": 30}, []),
+         ({"p3": 20, "p4": 20, "p5": 20}, []),
+         ({}, list(PROMPTS)))
+
+
+def gated_burst(mgr) -> dict:
+    """Run BURST behind a gate (see above) and report what prepare_batch saw. Keys: blocked (the thread was
+    still in the burst after JOIN_S), blocked_in (its stack then: the call that waited), seen (per step:
+    [ready done, gate timed out] when prepare_batch returned), timed_out, mismatches (steps whose tables
+    differ from the reference), new_graphs."""
+    be = mgr.backend
+    for rid, n in PROMPTS.items():
+        mgr.add(rid, n)
+    cap = Capture(mgr).reserve(len(BURST))
+    graphs_before = getattr(be, "num_step_graphs", 0)     # the host backend has no graphs
+    gate = be.gate(be.stream, timeout_s=GATE_S) if be.name == "cuda" else be.gate(be.stream)
+    seen, errors = [], []
+
+    def schedule():
+        try:
+            for contexts, generation in BURST:
+                step = mgr.prepare_batch(contexts, generation)
+                seen.append([step.ready.done(), gate.close_timeout_hit()])
+                cap.consume(step)
+                mgr.settle(step)
+        except BaseException as exc:      # re-raised in the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=schedule, daemon=True)
+    worker.start()
+    worker.join(JOIN_S)
+    blocked = worker.is_alive()
+    frame = sys._current_frames().get(worker.ident) if blocked else None
+    blocked_in = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else ""
+    gate.open()
+    worker.join()
+    mgr.synchronize()
+    cap.stream.synchronize()
+    if errors:
+        raise errors[0]
+    return dict(blocked=blocked, blocked_in=blocked_in, seen=seen, timed_out=gate.close_timeout_hit(),
+                mismatches=cap.mismatches(), new_graphs=getattr(be, "num_step_graphs", 0) - graphs_before)
+
+
+def check_burst(result: dict, new_graphs: int) -> None:
+    assert not result["blocked"], (f"prepare_batch was still inside the burst {JOIN_S} s after the gate closed: "
+                                   f"it waited for the gated manager stream, in\n{result['blocked_in']}")
+    assert result["seen"] == [[False, False]] * len(BURST), (
+        f"[ready done, gate timed out] at each return: {result['seen']}; a prepare_batch returned only after "
+        "the device ran its step or the gate let go, so it waited for the device")
+    assert not result["timed_out"]
+    assert result["mismatches"] == [], f"steps with wrong tables: {result['mismatches']}"
+    assert result["new_graphs"] == new_graphs, "the burst did not capture the graphs this test is about"
+
+
+def capture_up_front(mgr) -> int:
+    """Every step graph the manager's ring slots can need, captured now (CudaBackend.capture_step_graphs
+    with the pipeline's buckets)."""
+    from cupykv.backends.cuda import pow2_buckets
+    p = mgr.pipeline
+    out = p.outputs
+    return mgr.backend.capture_step_graphs(p.ring.slots, p.mirror, out.tables, p.row_entry, out.write_pages,
+                                           out.write_offsets, p.consts, p.shared,
+                                           pow2_buckets(1, mgr.spec.max_batch),
+                                           pow2_buckets(256, out.write_offsets.size))
+
+
+def test_up_front_buckets_cover_the_pipelines_rounding():
+    """Every bucket the pipeline rounds a count to (batch size, tokens, copy words) is one that
+    capture_up_front enumerates, so an up-front capture leaves no key for prepare_batch to capture."""
+    pytest.importorskip("cupy", reason="the CUDA backend module needs cupy")
+    from cupykv.backends.cuda import pow2_buckets
+    from cupykv.pipeline import _pow2_at_least
+    for lowest, cap in ((1, 12), (1, 256), (256, 4096), (256, 100), (1024, 1210), (1024, 700)):
+        buckets = set(pow2_buckets(lowest, cap))
+        rounded = {min(_pow2_at_least(max(n, lowest)), cap) for n in range(1, cap + 1)}
+        assert rounded == buckets, (lowest, cap)
+
+
+def test_new_graphs_behind_a_gate_do_not_block_prepare(backend_name):
+    """A fresh manager's first graphs, captured while its stream is held (this process may have loaded the
+    kernels already: the fresh-process test below covers a first load). The host backend runs the same
+    burst, without graphs: its prepare_batch must not wait for the simulated stream either."""
+    mgr = make(use_graphs=True, backend=backend_name)
+    check_burst(gated_burst(mgr), new_graphs=len(BURST) if backend_name == "cuda" else 0)
+
+
+def test_first_capture_in_a_fresh_process_does_not_wait_for_the_device():
+    """The same burst in a new process, where no kernel of the step module was ever loaded: under lazy
+    loading the first graph instantiation would load them, and loading may synchronize the context."""
+    backend_or_skip("cuda")
+    result = run_fresh_process()
+    before = result["loading"]["before"]
+    assert all(v in (True, None) for v in before["kernels"].values()), (
+        f"step kernels not loaded before the first capture: {before}")
+    check_burst(result, new_graphs=len(BURST))
+
+
+def test_graphs_captured_up_front_leave_prepare_nothing_to_capture():
+    """capture_step_graphs covers every graph the pipeline asks for: the gated burst and a workload of
+    shrinking batches, steady (DELTA) and FULL steps capture nothing more, and every table is right."""
+    backend_or_skip("cuda")
+    mgr = make(use_graphs=True)
+    captured = capture_up_front(mgr)
+    assert captured == mgr.backend.num_step_graphs > 0
+    assert capture_up_front(mgr) == 0, "a second up-front capture captured again"
+    check_burst(gated_burst(mgr), new_graphs=0)
+    cap, live, modes = Capture(mgr), list(PROMPTS), set()
+    for i in range(24):
+        step = mgr.prepare_batch((), live)
+        modes.add(step.mode)
+        cap.consume(step)
+        cap.stream.synchronize()          # every ring slot free again: no slot grows or gets added
+        mgr.settle(step)
+        if i % 4 == 3 and len(live) > 1:
+            mgr.free(live.pop())
+    assert mgr.backend.num_step_graphs == captured, "a prepare_batch captured a graph the up-front pass missed"
+    assert cap.mismatches() == []
+    assert len(modes) == 2, f"the workload never ran both modes: {modes}"
+
+
+def run_fresh_process(*args: str) -> dict:
+    """Run this file as a script (a new Python process) and return its JSON report."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=GATE_S + JOIN_S + 300)
+    assert proc.returncode == 0, f"the fresh process failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fresh_process_report(preload: bool) -> dict:
+    """gated_burst in this process, with a new backend, plus the driver's loading state of the kernels
+    before and after. preload=False is the loading of before the fix: the step module is compiled and its
+    functions looked up before the first capture, but the driver finishes loading them only when the
+    first graph is instantiated, behind the gate."""
+    from cupykv.backends.cuda import CudaBackend
+    be = CudaBackend(preload=preload)
+    mgr = cupykv.KVCacheManager(make_spec(), backend=be, use_graphs=True)
+    be.load_kernels("step")
+    before = be.kernel_loading_state()
+    result = gated_burst(mgr)
+    result["loading"] = {"before": before, "after": be.kernel_loading_state()}
+    return result
+
+
+if __name__ == "__main__":
+    # python tests/test_graphs.py [--no-preload]: the fresh-process burst; prints one JSON line. With
+    # --no-preload it shows what the fix changes (expect "blocked": true where loading synchronizes).
+    print(json.dumps(fresh_process_report(preload="--no-preload" not in sys.argv[1:])))

@@ -134,16 +134,12 @@ def _driver_function(name: str):
     return getattr(_libcuda, name, None) if _libcuda else None
 
 
-def finish_loading(function_ptr: int, name: str = "?") -> bool:
-    """Finish loading a CUfunction now (cuFuncLoad). False where the driver has no cuFuncLoad: the function
-    then loads on its first launch or graph instantiation."""
+def finish_loading(function_ptr: int) -> bool:
+    """Finish loading a CUfunction now (cuFuncLoad). False where the driver has no cuFuncLoad or it failed:
+    the function then loads on its first launch or graph instantiation, as without this call (and
+    CUDA_MODULE_LOADING=EAGER, set before CUDA starts, loads everything up front instead)."""
     load = _driver_function("cuFuncLoad")
-    if load is None:
-        return False
-    status = load(ctypes.c_void_p(function_ptr))
-    if status != 0:
-        raise RuntimeError(f"cuFuncLoad({name}) failed with CUresult {status}")
-    return True
+    return load is not None and load(ctypes.c_void_p(function_ptr)) == 0
 
 
 def function_loaded(function_ptr: int) -> Optional[bool]:
@@ -208,14 +204,17 @@ class CudaBackend:
     """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
 
     preload: compile (once per process; CuPy's disk cache after that) and fully load the step kernels now,
-    so that no prepare_batch, eager or graph-capturing, loads a kernel while other work holds the device
-    (see load_kernels). False defers every module to its first use.
+    and fully load every module when it is first loaded (load_kernels), so that no prepare_batch, eager or
+    graph-capturing, loads a kernel while other work holds the device. False is the behaviour before
+    that, kept to diagnose it: modules compile on first use, and the driver finishes loading a kernel
+    only at its first launch or at the first instantiation of a graph that contains it.
     """
 
     name = "cuda"
     xp = cupy
 
     def __init__(self, preload: bool = True):
+        self.preload = bool(preload)
         self.device_id = cupy.cuda.Device().id
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # Made now, not at the first capture: that capture may come while another stream is held, and
@@ -574,9 +573,9 @@ class CudaBackend:
         """Compile and fully load kernel modules now: 'step', 'kv_write', 'gate' (default: all of them).
 
         Compiling happens once per process (CuPy keeps the binary on disk and the module in memory);
-        loading finishes each function on the device (finish_loading), which may synchronize the context:
-        call this while no stream of the process is held (before a gate, before long consumer work). A
-        module not loaded here is loaded on the first use of one of its kernels.
+        loading finishes each function on the device (finish_loading; not with preload=False), which may
+        synchronize the context: call this while no stream of the process is held (before a gate, before
+        long consumer work). A module not loaded here is loaded on the first use of one of its kernels.
         """
         for name in modules or tuple(MODULES):
             self._module_kernels(name)
@@ -595,7 +594,8 @@ class CudaBackend:
             loaded = {}
             for name in MODULES[module].kernels:
                 kernel = loaded[name] = raw.get_function(name)
-                finish_loading(kernel.kernel.ptr, name)
+                if self.preload:
+                    finish_loading(kernel.kernel.ptr)
             self._modules[module] = loaded
         return loaded
 
