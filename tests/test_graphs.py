@@ -191,7 +191,7 @@ def gated_burst(mgr) -> dict:
     for rid, n in PROMPTS.items():
         mgr.add(rid, n)
     cap = Capture(mgr).reserve(len(BURST))
-    graphs_before = getattr(be, "num_step_graphs", 0)     # the host backend has no graphs
+    graphs_before = graph_count(be)
     gate = be.gate(be.stream, timeout_s=GATE_S) if be.name == "cuda" else be.gate(be.stream)
     seen, errors = [], []
 
@@ -218,7 +218,12 @@ def gated_burst(mgr) -> dict:
     if errors:
         raise errors[0]
     return dict(blocked=blocked, blocked_in=blocked_in, seen=seen, timed_out=gate.close_timeout_hit(),
-                mismatches=cap.mismatches(), new_graphs=getattr(be, "num_step_graphs", 0) - graphs_before)
+                mismatches=cap.mismatches(), new_graphs=graph_count(be) - graphs_before)
+
+
+def graph_count(backend) -> int:
+    """Step graphs the backend holds (none on the host backend)."""
+    return len(getattr(backend, "_graphs", ()))
 
 
 def check_burst(result: dict, new_graphs: int) -> None:
@@ -323,7 +328,67 @@ def fresh_process_report(preload: bool) -> dict:
     return result
 
 
+def probe_host_waits() -> dict:
+    """Diagnosis, not a test: which CUDA calls make the host wait while a gate holds another stream. Each
+    runs on a thread while a fresh gate spins; True: it had not returned after JOIN_S (it waited for the
+    gate). Kernels are "new" when no earlier call launched, loaded or instantiated them."""
+    import cupy
+    from cupy.cuda import runtime
+    from cupykv.backends.cuda import CudaBackend, finish_loading
+    be = CudaBackend()
+    held, side, capture = be.new_stream(), be.new_stream(), be.new_stream()
+    word = cupy.zeros(1, np.int32)
+    count = iter(range(1000))
+
+    def new_kernel(loaded_module: bool = True):
+        """A kernel of a module of its own (unique source); its module loaded unless told otherwise."""
+        name = f"cupykv_probe_{next(count)}"
+        raw = cupy.RawModule(code=f'extern "C" __global__ void {name}(int* p) {{ p[0] += 1; }}')
+        kernel = raw.get_function(name) if loaded_module else None
+        return (raw, name) if kernel is None else kernel
+
+    def graph_of(kernel, instantiate: bool = True):
+        capture.begin_capture()
+        kernel((1,), (1,), (word,), stream=capture)
+        return capture.end_capture() if instantiate else None
+
+    warm = new_kernel()
+    warm((1,), (1,), (word,), stream=side)
+    be.synchronize()
+    kept = []
+    probes = {
+        "create a stream": lambda: kept.append(cupy.cuda.Stream(non_blocking=True)),
+        "load a new module": lambda raw_name=new_kernel(False): kept.append(raw_name[0].get_function(raw_name[1])),
+        "cuFuncLoad a new kernel": lambda k=new_kernel(): finish_loading(k.kernel.ptr),
+        "first launch of a new kernel": lambda k=new_kernel(): k((1,), (1,), (word,), stream=side),
+        "capture and instantiate a graph of a new kernel": lambda k=new_kernel(): kept.append(graph_of(k)),
+        "capture and instantiate a graph of a loaded kernel": lambda: kept.append(graph_of(warm)),
+        "upload a new graph on an idle stream": lambda g=graph_of(warm): g.upload(side),
+        "first launch of a new graph, not uploaded": lambda g=graph_of(warm): g.launch(side),
+        "cudaMalloc 256 MiB": lambda: kept.append(("free", runtime.malloc(256 << 20))),
+        "cudaHostAlloc 64 MiB": lambda: kept.append(("freeHost", runtime.hostAlloc(64 << 20, 0))),
+    }
+    be.synchronize()
+    waited = {}
+    for name, call in probes.items():
+        gate = be.gate(held, timeout_s=GATE_S)
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        worker.join(JOIN_S)
+        waited[name] = worker.is_alive()
+        gate.open()
+        worker.join()
+        be.synchronize()
+    for item in kept:
+        if isinstance(item, tuple):
+            getattr(runtime, item[0])(item[1])
+    return {"loading_mode": be.kernel_loading_state()["mode"], "waited": waited}
+
+
 if __name__ == "__main__":
-    # python tests/test_graphs.py [--no-preload]: the fresh-process burst; prints one JSON line. With
-    # --no-preload it shows what the fix changes (expect "blocked": true where loading synchronizes).
-    print(json.dumps(fresh_process_report(preload="--no-preload" not in sys.argv[1:])))
+    # python tests/test_graphs.py [--no-preload | --probe]: the fresh-process burst (one JSON line); with
+    # --no-preload, the kernel loading from before the fix; --probe: probe_host_waits().
+    if "--probe" in sys.argv[1:]:
+        print(json.dumps(probe_host_waits()))
+    else:
+        print(json.dumps(fresh_process_report(preload="--no-preload" not in sys.argv[1:])))
