@@ -328,29 +328,44 @@ def fresh_process_report(preload: bool) -> dict:
     return result
 
 
+PROBE_S = 5.0
+
+
+def _record_error(call, errors: list) -> None:
+    try:
+        call()
+    except Exception as exc:
+        errors.append(exc)
+
+
 def probe_host_waits() -> dict:
     """Diagnosis, not a test: which CUDA calls make the host wait while a gate holds another stream. Each
-    runs on a thread while a fresh gate spins; True: it had not returned after JOIN_S (it waited for the
-    gate). Kernels are "new" when no earlier call launched, loaded or instantiated them."""
+    runs on a thread while a fresh gate spins; True: it had not returned after PROBE_S (it waited for the
+    gate), or the error it raised. Kernels are "new" when no earlier call launched, loaded or instantiated
+    them; everything a probe needs besides its one call is made before its gate closes."""
     import cupy
     from cupy.cuda import runtime
     from cupykv.backends.cuda import CudaBackend, finish_loading
     be = CudaBackend()
     held, side, capture = be.new_stream(), be.new_stream(), be.new_stream()
-    word = cupy.zeros(1, np.int32)
+    with side:
+        word = cupy.zeros(1, np.int32)
     count = iter(range(1000))
 
-    def new_kernel(loaded_module: bool = True):
-        """A kernel of a module of its own (unique source); its module loaded unless told otherwise."""
+    def new_module():
+        """(module, kernel name): a module of its own (unique source), not compiled or loaded yet."""
         name = f"cupykv_probe_{next(count)}"
-        raw = cupy.RawModule(code=f'extern "C" __global__ void {name}(int* p) {{ p[0] += 1; }}')
-        kernel = raw.get_function(name) if loaded_module else None
-        return (raw, name) if kernel is None else kernel
+        return cupy.RawModule(code=f'extern "C" __global__ void {name}(int* p) {{ p[0] += 1; }}'), name
 
-    def graph_of(kernel, instantiate: bool = True):
+    def new_kernel():
+        """A kernel whose module is loaded (compiled, cuModuleLoadData, cuModuleGetFunction), never launched."""
+        raw, name = new_module()
+        return raw.get_function(name)
+
+    def graph_of(kernel):
         capture.begin_capture()
         kernel((1,), (1,), (word,), stream=capture)
-        return capture.end_capture() if instantiate else None
+        return capture.end_capture()
 
     warm = new_kernel()
     warm((1,), (1,), (word,), stream=side)
@@ -358,13 +373,14 @@ def probe_host_waits() -> dict:
     kept = []
     probes = {
         "create a stream": lambda: kept.append(cupy.cuda.Stream(non_blocking=True)),
-        "load a new module": lambda raw_name=new_kernel(False): kept.append(raw_name[0].get_function(raw_name[1])),
+        "compile and load a new module": lambda m=new_module(): kept.append(m[0].get_function(m[1])),
         "cuFuncLoad a new kernel": lambda k=new_kernel(): finish_loading(k.kernel.ptr),
         "first launch of a new kernel": lambda k=new_kernel(): k((1,), (1,), (word,), stream=side),
         "capture and instantiate a graph of a new kernel": lambda k=new_kernel(): kept.append(graph_of(k)),
         "capture and instantiate a graph of a loaded kernel": lambda: kept.append(graph_of(warm)),
         "upload a new graph on an idle stream": lambda g=graph_of(warm): g.upload(side),
-        "first launch of a new graph, not uploaded": lambda g=graph_of(warm): g.launch(side),
+        "first launch of a new graph, not uploaded, on an idle stream": lambda g=graph_of(warm): g.launch(side),
+        "first launch of a new graph, not uploaded, on the held stream": lambda g=graph_of(warm): g.launch(held),
         "cudaMalloc 256 MiB": lambda: kept.append(("free", runtime.malloc(256 << 20))),
         "cudaHostAlloc 64 MiB": lambda: kept.append(("freeHost", runtime.hostAlloc(64 << 20, 0))),
     }
@@ -372,13 +388,16 @@ def probe_host_waits() -> dict:
     waited = {}
     for name, call in probes.items():
         gate = be.gate(held, timeout_s=GATE_S)
-        worker = threading.Thread(target=call, daemon=True)
+        errors = []
+        worker = threading.Thread(target=_record_error, args=(call, errors), daemon=True)
         worker.start()
-        worker.join(JOIN_S)
+        worker.join(PROBE_S)
         waited[name] = worker.is_alive()
         gate.open()
         worker.join()
         be.synchronize()
+        if errors:
+            waited[name] = f"raised {errors[0]!r}"
     for item in kept:
         if isinstance(item, tuple):
             getattr(runtime, item[0])(item[1])
