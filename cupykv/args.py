@@ -6,11 +6,11 @@ int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edg
 """
 from __future__ import annotations
 
-from typing import Optional, Type
+from typing import Iterable, Mapping, Optional, Sequence, Type
 
 import numpy as np
 
-from .errors import CupykvError, InvalidRequestError
+from .errors import CupykvError, InvalidRequestError, UnknownRequestError
 
 
 def is_count(value) -> bool:
@@ -31,3 +31,95 @@ def as_count(value, what: str, *, minimum: int = 0, maximum: Optional[int] = Non
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise error(f"{what}={value!r} must be {bound}")
     return n
+
+
+def context_items(contexts) -> list:
+    """prepare_batch's contexts (a mapping request id -> chunk tokens, or (id, tokens) pairs) as a list
+    of pairs; the counts are checked later, against each request."""
+    if type(contexts) is tuple and not contexts:     # the default, in every decode step: no ABC check
+        return []
+    if isinstance(contexts, Mapping):
+        return list(contexts.items())
+    if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Iterable):
+        raise InvalidRequestError(f"contexts={contexts!r}: pass a mapping request id -> chunk tokens, or "
+                                  "(request id, tokens) pairs")
+    items = []
+    for item in contexts:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidRequestError(f"context entry {item!r} must be (request id, tokens)")
+        items.append(tuple(item))
+    return items
+
+
+def request_ids(generation) -> list:
+    """prepare_batch's generation list (any iterable of ids, or a numpy array) as a list."""
+    if isinstance(generation, np.ndarray):
+        return generation.tolist()
+    if isinstance(generation, (str, bytes)) or not isinstance(generation, Iterable):
+        raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids")
+    return list(generation)
+
+
+def accepted_counts(accepted, request_ids: Sequence, scheduled: np.ndarray, num_contexts: int,
+                    step_id: int) -> np.ndarray:
+    """settle's accepted (None, a mapping id -> tokens, or one count per batch entry) as int64 [num_seqs],
+    each in [0, scheduled]; context chunks are accepted whole."""
+    if accepted is None:
+        return scheduled
+    if isinstance(accepted, Mapping):
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        acc = scheduled.copy()
+        for rid, a in accepted.items():
+            try:
+                i = index[rid]
+            except (KeyError, TypeError):
+                raise UnknownRequestError(f"request {rid!r} is not in step {step_id}") from None
+            acc[i] = as_count(a, f"request {rid!r}: accepted", maximum=int(scheduled[i]))
+    elif isinstance(accepted, (str, bytes)) or not isinstance(accepted, Iterable):
+        raise InvalidRequestError(f"accepted={accepted!r}: pass None, a mapping request id -> accepted "
+                                  f"tokens, or one count per batch entry")
+    else:
+        vals = accepted.tolist() if isinstance(accepted, np.ndarray) else list(accepted)
+        if len(vals) != len(scheduled):
+            raise InvalidRequestError(f"accepted has {len(vals)} entries; step {step_id} has {len(scheduled)}")
+        acc = np.array([as_count(a, f"request {rid!r}: accepted", maximum=m)
+                        for a, rid, m in zip(vals, request_ids, scheduled.tolist())], np.int64).reshape(-1)
+    partial = np.flatnonzero(acc[:num_contexts] != scheduled[:num_contexts])
+    if len(partial):
+        i = partial[0]
+        raise InvalidRequestError(f"request {request_ids[i]!r}: a context chunk is accepted whole "
+                                  f"({scheduled[i]} tokens)")
+    return acc
+
+
+def token_ids(tokens, what: str, length: int) -> np.ndarray:
+    """Token ids (a sequence or an integer array of `length` ints) as int64 [length]."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise InvalidRequestError(f"{what}: needs a sequence of {length} token ids, got {type(tokens).__name__}")
+    arr = tokens if isinstance(tokens, np.ndarray) else np.array(tokens, dtype=object if tokens else np.int64)
+    if arr.ndim != 1 or len(arr) != length:
+        raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind != "O" or not all(is_count(t) for t in arr):
+            raise InvalidRequestError(f"{what}: token ids must be ints (got dtype {arr.dtype})")
+    try:
+        out = arr.astype(np.int64, casting="safe") if arr.dtype.kind in "iu" and arr.dtype != np.uint64 else None
+        if out is None:
+            vals = [int(t) for t in arr.tolist()]
+            if vals and (min(vals) < -2 ** 63 or max(vals) >= 2 ** 63):
+                raise OverflowError
+            out = np.array(vals, np.int64)
+    except (OverflowError, TypeError):
+        raise InvalidRequestError(f"{what}: token ids must fit in int64") from None
+    return out
+
+
+def salt_bytes(salt) -> bytes:
+    """cache_salt (None, bytes or str) as bytes."""
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode("utf-8")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        return bytes(salt)
+    raise InvalidRequestError(f"cache_salt={salt!r}: must be bytes or str (or None)")

@@ -46,7 +46,7 @@ class StepLedger:
         """Slots of group p that allocation could use now: free, plus quarantine already lifted."""
         k = self.completed_count()
         through = self.in_flight[k - 1].id if k else self.finished_through
-        return self.pools[p].num_free + self.pools[p].quarantined_through(through)
+        return self.pools[p].num_available + self.pools[p].quarantined_through(through)
 
     def poll(self) -> None:
         """Advance the watermark over completed steps and lift their quarantine."""
@@ -60,7 +60,7 @@ class StepLedger:
     def wait_for_slots(self, p: int, need: int) -> None:
         """Wait for finish events (oldest first) while the quarantine of group p can cover the shortfall."""
         pool = self.pools[p]
-        if pool.num_free + pool.num_quarantined < need:
+        if pool.num_available + pool.num_quarantined < need:
             return
         for step in self.in_flight:
             if self.available(p) >= need or step.finished is None:

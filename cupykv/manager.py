@@ -18,14 +18,15 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .allocator import SlotPool
-from .args import as_count, is_count
+from .allocator import CachingSlotPool, SlotPool
+from .args import accepted_counts, as_count, context_items, request_ids, salt_bytes, token_ids
 from .backends import make_backend
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError, UnknownRequestError)
-from .layout import Layout
+from .layout import BAD, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
+from .prefix_cache import PrefixCache
 from .requests import GenBatch, Request, RequestId, RequestTable, frozen
 from .spec import CacheSpec
 from .staging import snapshot_words
@@ -103,7 +104,8 @@ class KVCacheManager:
         if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
                                    f"at most 2^31 - 1 (lower max_batch or max_seq_len)")
-        self.pools = [SlotPool(n) for n in lay.slots_per_group]
+        self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n) for n in lay.slots_per_group]
+        self.cache = PrefixCache(lay, self.pools, spec.prefix_retention) if spec.prefix_caching else None
         self.page_table = PageTable(be, P, rows, B)
         self.ledger = StepLedger(self.pools, float(staging_timeout_s))
         self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
@@ -130,15 +132,48 @@ class KVCacheManager:
     h2d_bytes_last_step = property(lambda self: self.pipeline.h2d_bytes_last_step)
 
     # -- requests --------------------------------------------------------------------------------
-    def add(self, rid: RequestId, prompt_len: int) -> None:
-        """Register a request with a prompt of prompt_len tokens; it takes the lowest free table row."""
-        self.requests.check_new(rid)
+    def add(self, rid: RequestId, prompt_len: int, *, tokens=None, cache_salt=None, checkpoints=()) -> int:
+        """Register a request with a prompt of prompt_len tokens; it takes the lowest free table row.
+
+        With prefix caching on, tokens (the prompt's prompt_len token ids) is required; cache_salt (bytes
+        or str) keeps requests that must not share KV apart; checkpoints are prompt positions to keep
+        hit-able later (their windows stay cached). Returns the prompt tokens already cached (a multiple
+        of tokens_per_block, less than prompt_len): the request starts with that history, its cached
+        blocks already in its table rows, and its first context chunk starts there. 0 without caching.
+        """
+        reqs, cache = self.requests, self.cache
+        reqs.check_new(rid)
         n = as_count(prompt_len, f"request {rid!r}: prompt_len", minimum=1)
         if n > self.spec.max_seq_len:
             raise CapacityExceededError(f"request {rid!r}: prompt_len={n} exceeds max_seq_len={self.spec.max_seq_len}")
-        if not self.requests.free_rows:
+        if not reqs.free_rows:
             raise CapacityExceededError(f"request {rid!r}: all max_batch={self.spec.max_batch} rows are in use")
-        self.requests.add(rid, n)
+        if cache is not None and tokens is None:
+            raise InvalidRequestError(f"request {rid!r}: prefix caching is on, so add() needs tokens= "
+                                      f"(the prompt's {n} token ids)")
+        toks = None if tokens is None else token_ids(tokens, f"request {rid!r}: tokens", n)
+        salt = salt_bytes(cache_salt)
+        if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+            raise InvalidRequestError(f"request {rid!r}: checkpoints={checkpoints!r} must be prompt positions")
+        marks = sorted({as_count(c, f"request {rid!r}: checkpoint", minimum=1, maximum=n) for c in checkpoints})
+        if cache is None:
+            reqs.add(rid, n)
+            return 0
+        seq = cache.new_seq(toks, salt, [n, *marks])
+        hit, pairs = cache.lookup(seq.hashes, n)
+        # -- nothing has changed so far --
+        row = reqs.add(rid, n).row
+        reqs.hist[row] = reqs.cap[row] = cached = hit * self.layout.tpb
+        for g, held in zip(self.layout.groups, pairs):
+            if held:
+                blocks, slots = (np.array(a, np.int64) for a in zip(*held))
+                self.pools[g.index].acquire(slots)
+                self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
+            reqs.stale_done[g.index, row] = max(g.sink_blocks, min(int(g.stale_end(cached)), hit))
+        seq.hit_blocks = hit
+        cache.begin(row, seq)
+        cache.queries, cache.query_tokens, cache.hit_tokens = cache.queries + 1, cache.query_tokens + n, cache.hit_tokens + cached
+        return cached
 
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
@@ -149,6 +184,8 @@ class KVCacheManager:
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
+        if self.cache is not None:
+            self.cache.end(req.row)       # every cached block it held keeps its hash: its last window
         self.requests.remove(rid)
 
     def __contains__(self, rid: RequestId) -> bool:
@@ -179,36 +216,12 @@ class KVCacheManager:
         stream. Returns the Step. pad_to: for a consumer captured with a fixed batch size: output rows
         [num_seqs, pad_to) are written BAD.
         """
-        ctx_items = self._context_items(contexts)
-        gen_ids = self._generation_ids(generation)
+        ctx_items = context_items(contexts)
+        gen_ids = request_ids(generation)
         k = as_count(num_gen_tokens, "num_gen_tokens", minimum=1, maximum=self.spec.max_seq_len)
         num_seqs = len(ctx_items) + len(gen_ids)
         pad = 0 if pad_to is None else as_count(pad_to, "pad_to", minimum=num_seqs, maximum=self.spec.max_batch)
         return self._commit(self._plan(ctx_items, gen_ids, k, pad))
-
-    @staticmethod
-    def _context_items(contexts) -> list:
-        if type(contexts) is tuple and not contexts:     # the default, in every decode step: no ABC check
-            return []
-        if isinstance(contexts, Mapping):
-            return list(contexts.items())
-        if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Iterable):
-            raise InvalidRequestError(f"contexts={contexts!r}: pass a mapping request id -> chunk tokens, or "
-                                      "(request id, tokens) pairs")
-        items = []
-        for item in contexts:
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise InvalidRequestError(f"context entry {item!r} must be (request id, tokens)")
-            items.append(tuple(item))
-        return items
-
-    @staticmethod
-    def _generation_ids(generation) -> list:
-        if isinstance(generation, np.ndarray):
-            return generation.tolist()
-        if isinstance(generation, (str, bytes)) or not isinstance(generation, Iterable):
-            raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids")
-        return list(generation)
 
     def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: int) -> _Plan:
         """Validate a step and work out what it needs; changes no state but the validated-list cache."""
@@ -229,7 +242,8 @@ class KVCacheManager:
                                           f"({old} of {prompt} already scheduled)")
             ctx_rows.append(row)
             ctx_tokens.append(n)
-            ctx_blocks.append([g.new_blocks(old, old + n) + g.scratch_range(old, old + n) for g in lay.groups])
+            ctx_blocks.append([g.new_blocks(old, old + n) + self._scratch_range(g, row, old, old + n)
+                               for g in lay.groups])
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
         cap = reqs.cap[gen_rows]
@@ -251,7 +265,7 @@ class KVCacheManager:
                 need[g.index] += (b_hi - b_lo) - (s_hi - s_lo) + g.scratch_slots_needed(s_hi - s_lo)
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
-            if need[p] > pool.num_free and need[p] > ledger.available(p):
+            if need[p] > pool.num_available and need[p] > ledger.available(p):
                 ledger.wait_for_slots(p, need[p])
                 if need[p] > ledger.available(p):
                     raise OutOfSlotsError(
@@ -268,6 +282,12 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
         return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_blocks, gen_ids, gen, cap,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
+
+    def _scratch_range(self, g, row: int, start: int, capacity: int) -> Tuple[int, int]:
+        """The scratch range of a chunk; with prefix caching, retained windows are kept out of it."""
+        if self.cache is None:
+            return g.scratch_range(start, capacity)
+        return self.cache.scratch_range(g, row, start, capacity)
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -311,6 +331,8 @@ class KVCacheManager:
         ends = np.zeros((lay.num_groups, C), np.int32)
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
         for c, (rid, row, per_group) in enumerate(zip(plan.ctx_ids, plan.ctx_rows, plan.ctx_blocks)):
+            if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
+                self.cache.seqs[row].boundaries.append(int(self.requests.cap[row]) + plan.ctx_tokens[c])
             held = []
             for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
                 pool = self.pools[g.index]
@@ -332,7 +354,8 @@ class KVCacheManager:
             cells = self.page_table.group_base + (rows * self.layout.max_blocks + blocks)     # [groups, n]
             self.page_table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
-    def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None) -> None:
+    def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
+               new_tokens: Optional[Mapping[RequestId, Sequence[int]]] = None) -> None:
         """The step's tokens are final: history advances by the accepted tokens.
 
         accepted: None (all scheduled tokens), a mapping request id -> accepted tokens, or a sequence in
@@ -340,7 +363,9 @@ class KVCacheManager:
         (at most max_rewind per request, and only from the request's latest step). SWA blocks that fell
         out of the window are released, scratch slots of the step's contexts too; released slots stay
         quarantined until the steps that may read them have finished. Requests freed since the step was
-        prepared are skipped.
+        prepared are skipped. new_tokens: request id -> the token ids this step computed and kept for a
+        generation entry (its input tokens, as many as accepted); with prefix caching, the blocks they
+        fill are cached too (without them only prompt blocks are).
         """
         reqs, ledger = self.requests, self.ledger
         if getattr(step, "owner", None) is not self:
@@ -350,7 +375,8 @@ class KVCacheManager:
         if ledger.unsettled[0] is not step:
             raise StepOrderError(f"settle steps in the order they were prepared: step "
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
-        acc = self._accepted(step, accepted)
+        acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
+        reported = self._new_tokens(step, acc, new_tokens)
         rows, tokens, entries = step.rows.astype(np.int64), step.num_tokens, None
         live = range(step.num_contexts)     # the live contexts
         if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
@@ -378,6 +404,8 @@ class KVCacheManager:
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
         for i in live:
             self._release_scratch(reqs.get(step.request_ids[i]).scratch.pop(step.id, ()), tag)
+        if self.cache is not None:
+            self._publish(step, rows, hist, acc, entries, reported)
         self._release_stale(rows, hist, tag)
         step.settled = True
         ledger.unsettled.pop(0)
@@ -392,44 +420,63 @@ class KVCacheManager:
             moved = np.flatnonzero(end > done)
             if len(moved):
                 r, hi = rows[moved], end[moved]
-                self._release(g.index, self.page_table.cells(g.index, *_expand_ranges(r, done[moved], hi)), tag)
+                pair_rows, blocks = _expand_ranges(r, done[moved], hi)
+                drop = None
+                if self.cache is not None:      # blocks outside every retained window lose their hash
+                    drop = ~np.concatenate([self.cache.kept(row, g, blocks[pair_rows == row]) for row in r.tolist()])
+                self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag, drop)
                 self.requests.stale_done[g.index, r] = hi
 
-    def _accepted(self, step: Step, accepted) -> np.ndarray:
-        """Accepted tokens per batch entry (int64), checked: in [0, scheduled], contexts whole."""
-        n = step.num_tokens
-        if accepted is None:
-            return n
-        if isinstance(accepted, Mapping):
-            index = {rid: i for i, rid in enumerate(step.request_ids)}
-            acc = n.copy()
-            for rid, a in accepted.items():
-                try:
-                    i = index[rid]
-                except (KeyError, TypeError):
-                    raise UnknownRequestError(f"request {rid!r} is not in step {step.id}") from None
-                acc[i] = as_count(a, f"request {rid!r}: accepted", maximum=int(n[i]))
-        elif isinstance(accepted, (str, bytes)) or not isinstance(accepted, Iterable):
-            raise InvalidRequestError(f"accepted={accepted!r}: pass None, a mapping request id -> accepted "
-                                      f"tokens, or one count per batch entry")
-        else:
-            vals = accepted.tolist() if isinstance(accepted, np.ndarray) else list(accepted)
-            if len(vals) != len(n):
-                raise InvalidRequestError(f"accepted has {len(vals)} entries; step {step.id} has {len(n)}")
-            acc = np.array([as_count(a, f"request {rid!r}: accepted", maximum=m)
-                            for a, rid, m in zip(vals, step.request_ids, n.tolist())], np.int64).reshape(-1)
-        partial = np.flatnonzero(acc[:step.num_contexts] != n[:step.num_contexts])
-        if len(partial):
-            i = partial[0]
-            raise InvalidRequestError(f"request {step.request_ids[i]!r}: a context chunk is accepted whole "
-                                      f"({n[i]} tokens)")
-        return acc
+    def _new_tokens(self, step: Step, acc: np.ndarray, new_tokens) -> dict:
+        """settle's new_tokens, checked: {batch entry: token ids}, as many as the entry accepted."""
+        if new_tokens is None:
+            return {}
+        if not isinstance(new_tokens, Mapping):
+            raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids")
+        index = {rid: i for i, rid in enumerate(step.request_ids)}
+        out = {}
+        for rid, toks in new_tokens.items():
+            try:
+                i = index[rid]
+            except (KeyError, TypeError):
+                raise UnknownRequestError(f"new_tokens: request {rid!r} is not in step {step.id}") from None
+            if i < step.num_contexts:
+                raise InvalidRequestError(f"new_tokens: request {rid!r} has a context chunk in step {step.id}; "
+                                          "its tokens are the prompt's (given to add)")
+            n = int(acc[i])
+            if type(toks) is list and len(toks) == n and all(type(t) is int and -2 ** 63 <= t < 2 ** 63 for t in toks):
+                out[i] = toks               # the common case, a short list of ints, without numpy
+            else:
+                out[i] = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
+        return out
+
+    def _publish(self, step: Step, rows: np.ndarray, hist: np.ndarray, acc: np.ndarray, entries, reported: dict):
+        """Give the prefix cache this step's accepted tokens, then the blocks they completed."""
+        cache = self.cache
+        index = np.arange(step.num_seqs) if entries is None else entries
+        silent = (index >= step.num_contexts) & (acc > 0)        # generation entries that advanced ...
+        if reported:
+            silent &= ~np.isin(index, list(reported))             # ... without reporting their tokens
+            live = set(index.tolist()) if entries is not None else None
+            for i, toks in reported.items():
+                if live is None or i in live:
+                    cache.extend(int(step.rows[i]), toks)
+        cache.complete[rows[silent]] = False
+        shift = self.layout.tpb.bit_length() - 1
+        for row in rows[(hist >> shift) > ((hist - acc) >> shift)].tolist():
+            cache.publish(row, int(self.requests.hist[row]), [self.page_table.array[p, row]
+                                                               for p in range(self.layout.num_groups)])
 
     # -- slots -------------------------------------------------------------------------------------
-    def _release(self, p: int, cells: np.ndarray, tag: int) -> None:
-        """Quarantine the slots held at these flat cells of group p and clear the cells."""
+    def _release(self, p: int, cells: np.ndarray, tag: int, drop: Optional[np.ndarray] = None) -> None:
+        """Let go of the slots held at these flat cells of group p and clear the cells; slots left with no
+        holder are quarantined. drop: cells whose slot also leaves the prefix cache (bool mask)."""
+        dropped = self.page_table.flat[cells[drop]] if drop is not None and drop.any() else None
         _, slots = self.page_table.take(cells)
         self.pools[p].release(slots, tag)
+        if dropped is not None:
+            dropped = dropped[dropped != BAD]
+            self.cache.unhash(p, dropped[self.pools[p].refs[dropped] == 0])
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):
@@ -461,11 +508,18 @@ class KVCacheManager:
         groups = []
         for g, pool in zip(self.layout.groups, self.pools):
             scratch = self._scratch_held[g.index]
-            owned = pool.total - pool.num_free - pool.num_quarantined - scratch
+            owned = pool.total - pool.num_free - pool.num_quarantined - pool.num_evictable - scratch
             groups.append(dict(window=g.window, layers=g.num_layers, total=pool.total, free=pool.num_free,
-                               owned=owned, scratch=scratch, quarantined=pool.num_quarantined))
+                               owned=owned, scratch=scratch, quarantined=pool.num_quarantined,
+                               evictable=pool.num_evictable))
         return dict(groups=groups, requests=len(self.requests), steps_in_flight=len(self.ledger.in_flight),
-                    steps_unsettled=len(self.ledger.unsettled), ring_slots=len(self.ring.slots))
+                    steps_unsettled=len(self.ledger.unsettled), ring_slots=len(self.ring.slots),
+                    prefix_cache=self.cache.stats() if self.cache is not None else None)
+
+    def drain_cache_events(self) -> List[Tuple[str, int, bytes]]:
+        """The blocks stored in and removed from the prefix cache since the last call, in order:
+        ("stored" | "removed", group, block hash (16 bytes)). Empty without prefix caching."""
+        return self.cache.drain_events() if self.cache is not None else []
 
     def verify_mirror(self) -> None:
         """Debug: wait for the manager stream and check the device mirror against the host table."""
@@ -474,4 +528,4 @@ class KVCacheManager:
     def state(self) -> tuple:
         """A comparable snapshot of every piece of host state (tests compare it around failing calls)."""
         return (self.page_table.state(), self.requests.state(), tuple(p.state() for p in self.pools),
-                self.ledger.state(), tuple(self._scratch_held))
+                self.ledger.state(), tuple(self._scratch_held), self.cache.state() if self.cache else None)

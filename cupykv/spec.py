@@ -11,6 +11,7 @@ from .errors import InvalidSpecError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TABLE_MODES = ("per_layer", "shared")
+PREFIX_RETENTIONS = ("boundaries", "all")
 
 
 def _fail(name: str, value, why: str) -> None:
@@ -59,6 +60,9 @@ class CacheSpec:
     table_mode: "per_layer" (out[L, max_batch, 2, B]) or "shared" (out[groups, max_batch, 2, B]).
     max_step_tokens: the most new tokens one step may schedule (sizes the fixed write-position
         buffers); None means 8192 prefill tokens plus max_batch * (1 + max_rewind) decode tokens.
+    prefix_caching: reuse the KV of full blocks shared with earlier requests (add(..., tokens=...)).
+    prefix_retention: which out-of-window blocks of sliding-window groups stay cached: "boundaries"
+        (the windows of the prompt end, chunk ends, checkpoints and the request's end) or "all".
 
     Counts may be Python or numpy integers (never bools or floats); the spec holds them as Python ints,
     and windows, and sink_tokens and slots_per_group given per layer or group, as tuples of them.
@@ -78,6 +82,8 @@ class CacheSpec:
     max_rewind: int = 0
     table_mode: str = "per_layer"
     max_step_tokens: Optional[int] = None
+    prefix_caching: bool = False
+    prefix_retention: str = "boundaries"
     windows_tuple: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,9 +120,11 @@ class CacheSpec:
         if self.max_step_tokens is not None:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
         _choice("table_mode", self.table_mode, TABLE_MODES)
-        if not isinstance(self.swa_scratch_reuse, (bool, np.bool_)):
-            _fail("swa_scratch_reuse", self.swa_scratch_reuse, "must be a bool")
-        put("swa_scratch_reuse", bool(self.swa_scratch_reuse))
+        for name in ("swa_scratch_reuse", "prefix_caching"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                _fail(name, getattr(self, name), "must be a bool")
+            put(name, bool(getattr(self, name)))
+        _choice("prefix_retention", self.prefix_retention, PREFIX_RETENTIONS)
         if self.table_mode == "shared" and self.swa_scratch_reuse and any(w is not None for w in windows):
             _fail("swa_scratch_reuse", self.swa_scratch_reuse,
                   "scratch pages alias across layers, which SHARED tables cannot express; "

@@ -1,0 +1,220 @@
+"""Prefix caching: block hashes, lookup, publishing, and which sliding-window blocks to keep hashed.
+
+Contract (docs/design.md, "Prefix caching"):
+
+- Only full blocks are cached, content-addressed: h_b = H(h_{b-1}, salt, tokens of block b) with
+  h_{-1} = H(salt, a fingerprint of the spec's group layout); H is BLAKE2b-128 over the tokens as
+  little-endian int64, so every rank and every run agrees. The cache maps (group, h_b) -> slot.
+- A block is published (hit-able) when all its tokens are settled and accepted.
+- Hit length n (a multiple of tpb, n < prompt_len): the largest n for which every group holds every block
+  a query at position n can see: all of [0, n / tpb) for full attention; the sink blocks and
+  [stale_end(n), n / tpb) for a sliding window.
+- Retention (sliding-window groups): a block leaving the window is unhashed when released (so it is
+  reused first), unless it lies in a retained range: the window of a boundary (the prompt end, each
+  context chunk's end, each caller checkpoint) plus one block before it, or it came from a hit (another
+  request's boundary kept it). At free, every block keeps its hash: the request's last window.
+  retention="all" keeps every block hashed (the hit-rate ceiling, the most memory).
+
+Slot bookkeeping (reference counts, evictable, quarantine) is the pools' (allocator.CachingSlotPool);
+this module only names slots: `pool.hashed[slot]` is set while a hash maps to the slot.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .groups import LayerGroup
+from .layout import BAD, Layout
+
+HASH_BYTES = 16
+STORED, REMOVED = "stored", "removed"
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+@dataclass
+class CachedSeq:
+    """What the cache knows of one request: its tokens, their block hashes, its boundaries."""
+    salt: bytes
+    hashes: List[bytes]                  # hash of each full block of known tokens, in order
+    tail: List[int]                      # the known tokens after the last full block
+    boundaries: List[int]                # positions whose window is retained (prompt end, chunk ends, ...)
+    hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
+    published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
+
+
+class PrefixCache:
+    """Hash maps per group, the cached sequences by table row, statistics and events."""
+
+    def __init__(self, layout: Layout, pools: Sequence, retention: str = "boundaries"):
+        self.layout = layout
+        self.groups: Tuple[LayerGroup, ...] = layout.groups
+        self.tpb = layout.tpb
+        self.pools = pools
+        self.retention = retention
+        spec = layout.spec
+        self.fingerprint = repr((self.tpb, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                                 [(g.window, g.sink_tokens, g.layers) for g in self.groups])).encode()
+        self.by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
+        self.hash_of: List[Dict[int, bytes]] = [{} for _ in self.groups]
+        self.seqs: Dict[int, CachedSeq] = {}
+        # per table row: False once a settle advanced the request without reporting its tokens (its later
+        # blocks can never be published)
+        self.complete = np.ones(layout.spec.max_batch, bool)
+        self.events: List[Tuple[str, int, bytes]] = []
+        self.queries = self.query_tokens = self.hit_tokens = 0
+        for p, pool in enumerate(pools):
+            pool.on_evict = lambda slots, p=p: self._forget(p, slots)
+
+    # -- hashing and lookup ----------------------------------------------------------------------
+    def new_seq(self, tokens: np.ndarray, salt: bytes, boundaries: List[int]) -> CachedSeq:
+        """A request's sequence with its prompt's full blocks hashed."""
+        seq = CachedSeq(salt, [], [], boundaries)
+        self._hash_blocks(seq, tokens)
+        return seq
+
+    def _hash_blocks(self, seq: CachedSeq, tokens: np.ndarray) -> None:
+        """Hash the full blocks of `tokens` (int64, following seq.hashes); the rest becomes seq.tail."""
+        full = len(tokens) // self.tpb
+        raw = memoryview(np.ascontiguousarray(tokens[:full * self.tpb], "<i8")).cast("B")
+        step = self.tpb * 8
+        parent = seq.hashes[-1] if seq.hashes else _h(seq.salt, self.fingerprint)
+        for b in range(full):
+            parent = _h(parent, seq.salt, raw[b * step:(b + 1) * step])
+            seq.hashes.append(parent)
+        seq.tail = tokens[full * self.tpb:].tolist()
+
+    def lookup(self, hashes: List[bytes], prompt_len: int) -> Tuple[int, List[List[Tuple[int, int]]]]:
+        """(hit blocks b, per group the (block, slot) pairs to map) for the longest hit n = b * tpb."""
+        top = min(len(hashes), (prompt_len - 1) // self.tpb)
+        ok = np.ones(top + 1, bool)            # ok[b]: a hit of b blocks is complete in every group so far
+        present = []
+        for g, table in zip(self.groups, self.by_hash):
+            have = np.fromiter((h in table for h in hashes[:top]), bool, top)
+            present.append(have)
+            run = np.concatenate(([0], np.cumsum(have)))            # run[b] = cached blocks among [0, b)
+            b = np.arange(top + 1)
+            start = np.minimum(g.stale_end(b * self.tpb), b)
+            sinks = min(g.sink_blocks, top)
+            ok &= (run[b] - run[start] == b - start) & ((run[np.minimum(b, sinks)] == np.minimum(b, sinks)))
+        hit = int(np.flatnonzero(ok)[-1])
+        pairs = []
+        for g, table in zip(self.groups, self.by_hash):
+            start = min(int(g.stale_end(hit * self.tpb)), hit)
+            blocks = list(range(min(g.sink_blocks, start))) + list(range(start, hit))
+            pairs.append([(b, table[hashes[b]]) for b in blocks])
+        return hit, pairs
+
+    # -- requests --------------------------------------------------------------------------------
+    def begin(self, row: int, seq: CachedSeq) -> None:
+        seq.published = [seq.hit_blocks] * len(self.groups)
+        self.seqs[row] = seq
+        self.complete[row] = True
+
+    def end(self, row: int) -> None:
+        del self.seqs[row]
+
+    def extend(self, row: int, tokens: List[int]) -> None:
+        """Accepted generation tokens of a request, in order (for publishing decode blocks)."""
+        seq = self.seqs[row]
+        if self.complete[row]:
+            seq.tail.extend(tokens)
+            if len(seq.tail) >= self.tpb:
+                self._hash_blocks(seq, np.array(seq.tail, np.int64))
+
+    def publish(self, row: int, history: int, cells: List[np.ndarray]) -> None:
+        """Offer the request's full settled blocks to the cache: block b of group p maps to the slot in
+        cells[p][b] (its table row) unless the hash is taken, the cell holds no slot (scratch, stale) or
+        the slot is named already."""
+        seq = self.seqs[row]
+        full = min(history // self.tpb, len(seq.hashes))
+        if full <= min(seq.published):
+            return
+        for p, (table, pool) in enumerate(zip(self.by_hash, self.pools)):
+            for b in range(seq.published[p], full):
+                slot = int(cells[p][b])
+                h = seq.hashes[b]
+                if slot != BAD and h not in table and not pool.hashed[slot]:
+                    table[h] = slot
+                    self.hash_of[p][slot] = h
+                    pool.hashed[slot] = True
+                    self.events.append((STORED, p, h))
+            seq.published[p] = full
+
+    def kept(self, row: int, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
+        """Which of these out-of-window blocks of a request keep their hash when released (bool mask)."""
+        seq = self.seqs.get(row)
+        if self.retention == "all" or seq is None:
+            return np.ones(len(blocks), bool)
+        keep = blocks < seq.hit_blocks
+        for lo, hi in self._retained(g, seq.boundaries):
+            keep |= (blocks >= lo) & (blocks < hi)
+        return keep
+
+    def _retained(self, g: LayerGroup, boundaries: Sequence[int]) -> List[Tuple[int, int]]:
+        """Block ranges a hit at each boundary needs (its window and sinks are the group's rules), plus
+        one block before the window, so a follow-up that diverges in the boundary's last block still hits
+        the block boundary before it."""
+        out = []
+        for pos in boundaries:
+            b = pos // self.tpb
+            out.append((max(g.sink_blocks, int(g.stale_end(b * self.tpb)) - 1), b))
+        return out
+
+    def scratch_range(self, g: LayerGroup, row: int, start: int, capacity: int) -> Tuple[int, int]:
+        """The chunk's scratch range with the retained ranges of the request's boundaries (and of the
+        chunk's own end) taken out: the longest run of the rest, so retained windows are real blocks."""
+        lo, hi = g.scratch_range(start, capacity)
+        seq = self.seqs.get(row)
+        if hi <= lo or seq is None:
+            return lo, hi
+        free = np.ones(hi - lo, bool)
+        for a, b in self._retained(g, [*seq.boundaries, capacity]):
+            free[max(a, lo) - lo:max(min(b, hi), lo) - lo] = False
+        if free.all():
+            return lo, hi
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], free.view(np.int8), [0]))))
+        if len(edges) == 0:
+            return (0, 0)
+        runs = edges.reshape(-1, 2)
+        best = runs[np.argmax(runs[:, 1] - runs[:, 0])]
+        return lo + int(best[0]), lo + int(best[1])
+
+    # -- forgetting ------------------------------------------------------------------------------
+    def unhash(self, p: int, slots: np.ndarray) -> None:
+        """Slots released for good (out of the window, not retained): no longer hits, reused first."""
+        named = [int(s) for s in slots if self.pools[p].hashed[s]]
+        if named:
+            self.pools[p].hashed[named] = False
+            self._forget(p, named)
+
+    def _forget(self, p: int, slots) -> None:
+        for s in np.asarray(slots).tolist():
+            h = self.hash_of[p].pop(s, None)
+            if h is not None:
+                del self.by_hash[p][h]
+                self.events.append((REMOVED, p, h))
+
+    # -- introspection ---------------------------------------------------------------------------
+    def drain_events(self) -> List[Tuple[str, int, bytes]]:
+        events, self.events = self.events, []
+        return events
+
+    def stats(self) -> dict:
+        return dict(queries=self.queries, query_tokens=self.query_tokens, hit_tokens=self.hit_tokens,
+                    groups=[dict(cached_blocks=len(table), evictable_blocks=pool.num_evictable,
+                                 evictions=pool.evictions) for table, pool in zip(self.by_hash, self.pools)])
+
+    def state(self) -> tuple:
+        seqs = tuple((row, s.salt, tuple(s.tail), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
+                      bool(self.complete[row]), tuple(s.published)) for row, s in sorted(self.seqs.items()))
+        return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
+                self.queries, self.query_tokens, self.hit_tokens)
