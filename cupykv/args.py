@@ -123,3 +123,29 @@ def salt_bytes(salt) -> bytes:
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
     raise InvalidRequestError(f"cache_salt={salt!r}: must be bytes or str (or None)")
+
+
+def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, num_contexts: int,
+                      step_id: int) -> dict:
+    """settle's new_tokens (a mapping request id -> token ids), checked: {batch entry: list of ints},
+    as many as the entry accepted, generation entries only."""
+    if new_tokens is None:
+        return {}
+    if not isinstance(new_tokens, Mapping):
+        raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids")
+    index = {rid: i for i, rid in enumerate(request_ids)}
+    out = {}
+    for rid, toks in new_tokens.items():
+        try:
+            i = index[rid]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"new_tokens: request {rid!r} is not in step {step_id}") from None
+        if i < num_contexts:
+            raise InvalidRequestError(f"new_tokens: request {rid!r} has a context chunk in step {step_id}; "
+                                      "its tokens are the prompt's (given to add)")
+        n = int(accepted[i])
+        if type(toks) is list and len(toks) == n and all(type(t) is int and -2 ** 63 <= t < 2 ** 63 for t in toks):
+            out[i] = toks               # the common case, a short list of ints, without numpy
+        else:
+            out[i] = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
+    return out

@@ -19,7 +19,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .allocator import CachingSlotPool, SlotPool
-from .args import accepted_counts, as_count, context_items, request_ids, salt_bytes, token_ids
+from .args import accepted_counts, as_count, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backend
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError, UnknownRequestError)
@@ -376,7 +376,7 @@ class KVCacheManager:
             raise StepOrderError(f"settle steps in the order they were prepared: step "
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
-        reported = self._new_tokens(step, acc, new_tokens)
+        reported = generation_tokens(new_tokens, step.request_ids, acc, step.num_contexts, step.id)
         rows, tokens, entries = step.rows.astype(np.int64), step.num_tokens, None
         live = range(step.num_contexts)     # the live contexts
         if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
@@ -405,7 +405,8 @@ class KVCacheManager:
         for i in live:
             self._release_scratch(reqs.get(step.request_ids[i]).scratch.pop(step.id, ()), tag)
         if self.cache is not None:
-            self._publish(step, rows, hist, acc, entries, reported)
+            index = np.arange(step.num_seqs) if entries is None else entries
+            self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)
         self._release_stale(rows, hist, tag)
         step.settled = True
         ledger.unsettled.pop(0)
@@ -426,46 +427,6 @@ class KVCacheManager:
                     drop = ~np.concatenate([self.cache.kept(row, g, blocks[pair_rows == row]) for row in r.tolist()])
                 self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag, drop)
                 self.requests.stale_done[g.index, r] = hi
-
-    def _new_tokens(self, step: Step, acc: np.ndarray, new_tokens) -> dict:
-        """settle's new_tokens, checked: {batch entry: token ids}, as many as the entry accepted."""
-        if new_tokens is None:
-            return {}
-        if not isinstance(new_tokens, Mapping):
-            raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids")
-        index = {rid: i for i, rid in enumerate(step.request_ids)}
-        out = {}
-        for rid, toks in new_tokens.items():
-            try:
-                i = index[rid]
-            except (KeyError, TypeError):
-                raise UnknownRequestError(f"new_tokens: request {rid!r} is not in step {step.id}") from None
-            if i < step.num_contexts:
-                raise InvalidRequestError(f"new_tokens: request {rid!r} has a context chunk in step {step.id}; "
-                                          "its tokens are the prompt's (given to add)")
-            n = int(acc[i])
-            if type(toks) is list and len(toks) == n and all(type(t) is int and -2 ** 63 <= t < 2 ** 63 for t in toks):
-                out[i] = toks               # the common case, a short list of ints, without numpy
-            else:
-                out[i] = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
-        return out
-
-    def _publish(self, step: Step, rows: np.ndarray, hist: np.ndarray, acc: np.ndarray, entries, reported: dict):
-        """Give the prefix cache this step's accepted tokens, then the blocks they completed."""
-        cache = self.cache
-        index = np.arange(step.num_seqs) if entries is None else entries
-        silent = (index >= step.num_contexts) & (acc > 0)        # generation entries that advanced ...
-        if reported:
-            silent &= ~np.isin(index, list(reported))             # ... without reporting their tokens
-            live = set(index.tolist()) if entries is not None else None
-            for i, toks in reported.items():
-                if live is None or i in live:
-                    cache.extend(int(step.rows[i]), toks)
-        cache.complete[rows[silent]] = False
-        shift = self.layout.tpb.bit_length() - 1
-        for row in rows[(hist >> shift) > ((hist - acc) >> shift)].tolist():
-            cache.publish(row, int(self.requests.hist[row]), [self.page_table.array[p, row]
-                                                               for p in range(self.layout.num_groups)])
 
     # -- slots -------------------------------------------------------------------------------------
     def _release(self, p: int, cells: np.ndarray, tag: int, drop: Optional[np.ndarray] = None) -> None:

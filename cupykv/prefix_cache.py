@@ -149,6 +149,25 @@ class PrefixCache:
                     self.events.append((STORED, p, h))
             seq.published[p] = full
 
+    def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
+               hist: np.ndarray, acc: np.ndarray, reported: dict, table: np.ndarray) -> None:
+        """A step settled: take its reported tokens, then publish the blocks it completed.
+
+        step_rows: the step's table rows (int32 [num_seqs]); index: its live entries; rows, hist, acc: their
+        rows, new histories and accepted tokens; reported: {entry: token ids}; table: int32 [P, rows, B].
+        """
+        silent = (index >= num_contexts) & (acc > 0)        # generation entries that advanced ...
+        if reported:
+            silent &= ~np.isin(index, list(reported))       # ... without reporting their tokens
+            live = set(index.tolist())
+            for i, toks in reported.items():
+                if i in live:
+                    self.extend(int(step_rows[i]), toks)
+        self.complete[rows[silent]] = False
+        shift = self.tpb.bit_length() - 1
+        for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
+            self.publish(int(rows[j]), int(hist[j]), table[:, rows[j]])
+
     def kept(self, row: int, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
         """Which of these out-of-window blocks of a request keep their hash when released (bool mask)."""
         seq = self.seqs.get(row)
