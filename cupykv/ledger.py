@@ -7,10 +7,23 @@ in-flight steps whose finish events have completed, and never past one that has 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from .allocator import SlotPool
 from .step import Step
+
+
+class Fence:
+    """A point that quarantine waits for which is not a step: the event after copies that read slots
+    released now (the host tier's suspend). It takes a step id, so tags and the watermark work as for
+    steps."""
+
+    def __init__(self, fence_id: int, event):
+        self.id = fence_id
+        self.finished = event
+
+    def is_complete(self) -> bool:
+        return self.finished.done()
 
 
 class StepLedger:
@@ -19,7 +32,7 @@ class StepLedger:
         self.timeout_s = timeout_s
         self.next_id = 0
         self.finished_through = -1
-        self.in_flight: List[Step] = []        # prepared, finish event not yet complete, in id order
+        self.in_flight: List[Union[Step, Fence]] = []    # finish event not yet complete, in id order
         self.unsettled: List[Step] = []
         self.latest: Optional[Step] = None     # the step whose outputs the buffers hold
 
@@ -34,6 +47,16 @@ class StepLedger:
         self.latest = step
         self.in_flight.append(step)
         self.unsettled.append(step)
+
+    def record_fence(self, event) -> int:
+        """A fence after every step prepared so far; returns the tag that waits for it."""
+        fence = Fence(self.next_id, event)
+        self.next_id += 1
+        self.in_flight.append(fence)
+        return fence.id
+
+    def steps_in_flight(self) -> List[Step]:
+        return [s for s in self.in_flight if isinstance(s, Step)]
 
     def completed_count(self) -> int:
         """How many in-flight steps, from the oldest on, have completed (observes; changes nothing)."""

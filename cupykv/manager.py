@@ -115,6 +115,7 @@ class KVCacheManager:
         self.pipeline = (UnsafeStaging(lay, be, self.page_table, **options) if staging == "unsafe"
                          else StepPipeline(lay, be, **options))
         self._windowed = [g for g in lay.groups if not g.keeps_every_block]
+        self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self._scratch_held = [0] * P
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
@@ -186,7 +187,78 @@ class KVCacheManager:
         req.scratch.clear()
         if self.cache is not None:
             self.cache.end(req.row)       # every cached block it held keeps its hash: its last window
+        if self.host_tier is not None:
+            self.host_tier.forget(rid)
         self.requests.remove(rid)
+
+    # -- residence: the host tier (storage.HostTier) moves the KV, these keep the books ---------------
+    def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
+        blocks for full attention; the sinks and the window for a sliding window)."""
+        row, table = self.requests.get(rid).row, self.page_table
+        out = []
+        for p in range(self.layout.num_groups):
+            cells = table.row_cells(p, row)
+            out.append((cells - table.cells(p, row, 0), table.flat[cells].copy()))
+        return out
+
+    def check_detach(self, rid: RequestId):
+        """Raise unless the request could leave the device now: known, resident, in no unsettled step, its
+        last step finished. Returns that step's finish event while it may still run (copies of the
+        request's KV must wait for it: its consumer wrote the KV), else None."""
+        req = self.requests.get(rid)
+        if req.suspended:
+            raise InvalidRequestError(f"request {rid!r} is already suspended")
+        pending = req.pending
+        if pending:
+            raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
+        last = int(self.requests.last_scheduled[req.row])
+        for step in self.ledger.steps_in_flight():
+            if step.id == last:
+                if step.finished is None:
+                    raise StepOrderError(f"request {rid!r}: its last step {last} is not finished; call "
+                                         "step.finish(stream) after its consumer wrote the KV")
+                return step.finished
+        return None
+
+    def detach(self, rid: RequestId, copied) -> None:
+        """The request leaves the device (its KV was copied out): its slots are released, quarantined until
+        `copied` (the event after the copies that read them) and every step prepared so far completed; its
+        rows are cleared. It keeps its history and row, and may not be scheduled until attach."""
+        req = self.requests.get(rid)
+        self.check_detach(rid)
+        tag = self.ledger.record_fence(copied)
+        for p in range(self.layout.num_groups):
+            self._release(p, self.page_table.row_cells(p, req.row), tag)
+        self.requests.set_suspended(req.row, True)
+
+    def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:
+        """Raise unless the suspended request can get counts[p] device slots of every group p now (this
+        may wait for finish events whose quarantine would cover a shortfall)."""
+        req = self.requests.get(rid)
+        if not req.suspended:
+            raise InvalidRequestError(f"request {rid!r} is not suspended")
+        for p, need in enumerate(counts):
+            if need > self.pools[p].num_available and need > self.ledger.available(p):
+                self.ledger.wait_for_slots(p, need)
+                if need > self.ledger.available(p):
+                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to resume; "
+                                          f"{self.ledger.available(p)} free")
+        return req
+
+    def attach(self, rid: RequestId, blocks: Sequence[np.ndarray], copy_back):
+        """The suspended request takes device slots for blocks[p] of every group (all or nothing) and is
+        resident again. copy_back(slots per group) enqueues its KV's copies into them and returns the event
+        after them, which the next step that schedules the request waits for on the device. Returns it."""
+        req = self.check_attach(rid, [len(b) for b in blocks])
+        self.ledger.poll()
+        slots = [self.pools[p].allocate(len(b)) for p, b in enumerate(blocks)]
+        loaded = copy_back(slots)
+        for p, (b, s) in enumerate(zip(blocks, slots)):
+            self.page_table.write(self.page_table.cells(p, req.row, b), s)
+        self.requests.set_suspended(req.row, False)
+        self.requests.loading[req.row] = loaded
+        return loaded
 
     def __contains__(self, rid: RequestId) -> bool:
         return self.requests.requests.__contains__(rid)
@@ -233,6 +305,8 @@ class KVCacheManager:
         ctx_rows, ctx_tokens, ctx_blocks = [], [], []
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
+            if reqs.suspended[row]:
+                raise InvalidRequestError(f"request {rid!r} is suspended: resume it before scheduling it")
             if row in ctx_rows:
                 raise DuplicateRequestError(f"request {rid!r} appears twice in one step")
             n = as_count(n, f"request {rid!r}: context chunk", minimum=1, maximum=spec.max_seq_len)
@@ -313,9 +387,12 @@ class KVCacheManager:
                     pad_to=plan.pad_to, moves=reqs.moves)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
-        prev = ledger.in_flight[-1].finished if ledger.in_flight else None
+        # Our writes come after the previous consumer's reads, and after the copy back of any resumed KV.
+        after = [ledger.latest.finished] if ledger.latest is not None else []
+        if reqs.loading:
+            after += [reqs.loading.pop(r) for r in set(rows.tolist()) & reqs.loading.keys()]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
-        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells], prev)
+        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells], after)
         table.clear_log()
         ledger.record(step)
         if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
@@ -455,7 +532,7 @@ class KVCacheManager:
     def steps_in_flight(self) -> List[Step]:
         """Prepared steps whose finish event has not completed (or that were not finished yet)."""
         self.ledger.poll()
-        return list(self.ledger.in_flight)
+        return self.ledger.steps_in_flight()
 
     def synchronize(self) -> None:
         """Wait for all work on the backend's streams, then lift the quarantine of finished steps."""
@@ -473,9 +550,10 @@ class KVCacheManager:
             groups.append(dict(window=g.window, layers=g.num_layers, total=pool.total, free=pool.num_free,
                                owned=owned, scratch=scratch, quarantined=pool.num_quarantined,
                                evictable=pool.num_evictable))
-        return dict(groups=groups, requests=len(self.requests), steps_in_flight=len(self.ledger.in_flight),
+        return dict(groups=groups, requests=len(self.requests), steps_in_flight=len(self.ledger.steps_in_flight()),
                     steps_unsettled=len(self.ledger.unsettled), ring_slots=len(self.ring.slots),
-                    prefix_cache=self.cache.stats() if self.cache is not None else None)
+                    prefix_cache=self.cache.stats() if self.cache is not None else None,
+                    host_tier=self.host_tier.stats() if self.host_tier is not None else None)
 
     def drain_cache_events(self) -> List[Tuple[str, int, bytes]]:
         """The blocks stored in and removed from the prefix cache since the last call, in order:

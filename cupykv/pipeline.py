@@ -78,11 +78,11 @@ class StepPipeline:
         return self.ring.acquire(words)
 
     def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, after) -> None:
-        """Enqueue the step's device work on the manager stream, after the event `after` (the previous
-        step's finish, or None); sets step.mode and step.ready. cells/values: the table deltas."""
+        """Enqueue the step's device work on the manager stream, after the events `after` (the previous
+        step's finish, copies of resumed KV); sets step.mode and step.ready. cells/values: the table deltas."""
         be, st = self.backend, self.backend.stream
-        if after is not None:
-            be.wait(st, after)
+        for event in after:
+            be.wait(st, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
         cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
         np.cumsum(step.num_tokens, out=cu_tokens[1:])

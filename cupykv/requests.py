@@ -61,6 +61,11 @@ class Request:
         return int(self._table.cap[self._live_row()])
 
     @property
+    def suspended(self) -> bool:
+        """True while its KV lives in the host tier (KVStorage.suspend) and it holds no device slot."""
+        return bool(self._table.suspended[self._live_row()])
+
+    @property
     def pending(self) -> List["Step"]:
         """Prepared steps of this request that are not settled yet, oldest first."""
         return [s for s in self._table.unsettled()
@@ -113,6 +118,8 @@ class RequestTable:
         self.incarnation = np.zeros(rows, np.int64)
         self.last_scheduled = np.full(rows, -1, np.int64)          # id of the last step that scheduled the row
         self.stale_done = np.zeros((num_groups, rows), np.int64)   # per group: blocks below were released
+        self.suspended = np.zeros(rows, bool)                      # KV in the host tier, no device slots
+        self.loading: Dict[int, object] = {}            # row -> event after its KV's copy back (resume)
         self._sink_blocks = sink_blocks
         self.requests: Dict[RequestId, Request] = {}
         self.row_of: Dict[RequestId, int] = {}
@@ -144,6 +151,7 @@ class RequestTable:
         self.hist[row] = self.cap[row] = 0
         self.prompt[row] = prompt_len
         self.last_scheduled[row] = -1
+        self.suspended[row] = False
         self.stale_done[:, row] = self._sink_blocks
         req = self.requests[rid] = Request(self, rid, row, int(self.incarnation[row]))
         self.row_of[rid] = row
@@ -154,9 +162,15 @@ class RequestTable:
         req = self.requests.pop(rid)
         del self.row_of[rid]
         self.incarnation[req.row] += 1      # steps still holding the row now see it as someone else's
+        self.loading.pop(req.row, None)
         heapq.heappush(self.free_rows, req.row)
         self.moves += 1
         return req
+
+    def set_suspended(self, row: int, suspended: bool) -> None:
+        """A request leaves or re-enters device residence: a move (it may not be scheduled meanwhile)."""
+        self.suspended[row] = suspended
+        self.moves += 1
 
     # -- generation lists ------------------------------------------------------------------------
     def generation_batch(self, gen_ids: List[RequestId], ctx_rows: List[int]) -> Optional[GenBatch]:
@@ -175,6 +189,9 @@ class RequestTable:
             bad = next(r for r in gen_ids if not self._known(r))
             raise UnknownRequestError(f"unknown request id {bad!r}") from None
         self._check_no_duplicates(gen_ids, rows, ctx_rows)
+        if self.suspended[rows].any():
+            i = int(np.argmax(self.suspended[rows]))
+            raise InvalidRequestError(f"request {gen_ids[i]!r} is suspended: resume it before scheduling it")
         cap = self.cap[rows]
         unready = cap < self.prompt[rows]
         if unready.any():
@@ -202,5 +219,5 @@ class RequestTable:
                       tuple((k, tuple(a.tobytes() for a in v)) for k, v in sorted(r.scratch.items())))
                      for r in self.requests.values())
         arrays = tuple(a.tobytes() for a in (self.hist, self.cap, self.prompt, self.incarnation,
-                                             self.last_scheduled, self.stale_done))
+                                             self.last_scheduled, self.stale_done, self.suspended))
         return reqs, arrays, tuple(sorted(self.free_rows))

@@ -21,7 +21,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .errors import CupykvError, InvalidRequestError, StepOrderError
+from .args import as_count
+from .errors import CupykvError, InvalidRequestError, InvalidSpecError, StepOrderError
+from .host_tier import HostTier
 from .layout import Layout
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -112,7 +114,7 @@ class KVStorage:
     dtype) makes storage without a manager (write() then needs no step; use the arrays directly).
     """
 
-    def __init__(self, manager_or_layout, backend=None, dtype=None):
+    def __init__(self, manager_or_layout, backend=None, dtype=None, *, host_tier_bytes: Optional[int] = None):
         from .manager import KVCacheManager
         if isinstance(manager_or_layout, KVCacheManager):
             self.manager: Optional[KVCacheManager] = manager_or_layout
@@ -145,6 +147,33 @@ class KVStorage:
             backend.load_kernels("kv_write")
         self._sync()   # zero-filled before any stream uses them
         self._words = np.uint16 if self.dtype.itemsize == 2 else np.uint32    # what the write kernel copies
+        self.host_tier: Optional[HostTier] = None
+        if host_tier_bytes is not None:
+            if self.manager is None:
+                raise InvalidRequestError("KVStorage(host_tier_bytes=...) needs a KVCacheManager")
+            if self.manager.host_tier is not None:
+                raise InvalidRequestError("this manager already has a host tier (one KVStorage per manager)")
+            n = as_count(host_tier_bytes, "host_tier_bytes", minimum=1, error=InvalidSpecError)
+            self.host_tier = self.manager.host_tier = HostTier(self, self.manager, n)
+
+    # -- the host tier -----------------------------------------------------------------------------
+    def suspend(self, rid) -> None:
+        """Copy the request's resident KV (every block of full-attention groups; the sink and in-window
+        blocks of sliding-window groups) to host slots and release its device slots (quarantined until
+        the copy has completed); its table rows are cleared until resume. It may not be in an unsettled
+        step. HostTierFullError (nothing changed, still resident) when the host tier is short."""
+        self._tier().suspend(rid)
+
+    def resume(self, rid) -> None:
+        """Take device slots (all or nothing: OutOfSlotsError and nothing changed), copy the KV back and
+        restore the table rows; the next step that schedules the request waits for the copy on the device
+        before its tables are ready."""
+        self._tier().resume(rid)
+
+    def _tier(self) -> "HostTier":
+        if self.host_tier is None:
+            raise InvalidRequestError("this KVStorage has no host tier: KVStorage(mgr, host_tier_bytes=N)")
+        return self.host_tier
 
     # -- views -----------------------------------------------------------------------------------
     @property

@@ -33,6 +33,8 @@ MEMO_ENTRIES = 256               # validated buffer sets kept by _memo (a few pe
 # KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
 WRITE_KV_THREADS = 256
 WRITE_KV_MAX_BLOCKS = 4096
+# cudaMemcpyDefault: the direction follows from the pointers (unified addressing)
+MEMCPY_DEFAULT = getattr(runtime, "memcpyDefault", 4)
 # A gate nobody opens releases its stream after this long, and reports it through close_timeout_hit().
 GATE_TIMEOUT_S = 10.0
 
@@ -320,6 +322,19 @@ class CudaBackend:
         if words > fits:
             raise ValueError(f"copy_h2d: {words} words do not fit (dst {dst.size}, src {src.size})")
         runtime.memcpyAsync(dst_ptr, src_ptr, words * 4, runtime.memcpyHostToDevice, stream.ptr)
+
+    def pinned_bytes(self, nbytes: int) -> np.ndarray:
+        """A zeroed pinned uint8 buffer, kept by the caller for as long as copies may touch it."""
+        return cupyx.zeros_pinned(nbytes, np.uint8)
+
+    def copy_bytes(self, dst, src, stream: cupy.cuda.Stream) -> None:
+        """Copy contiguous `src` into contiguous `dst` (equal nbytes; pinned host or device arrays, either
+        way) in `stream` order. The copy reads and writes when it runs: neither buffer may be touched
+        until an event recorded after it has completed."""
+        if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            raise ValueError(f"copy_bytes: needs contiguous arrays of equal size ({dst.nbytes} vs {src.nbytes} B)")
+        if src.nbytes:
+            runtime.memcpyAsync(_address(dst), _address(src), src.nbytes, MEMCPY_DEFAULT, stream.ptr)
 
     def copy_d2d(self, dst: cupy.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):

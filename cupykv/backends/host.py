@@ -171,10 +171,20 @@ class HostBackend:
             dst.reshape(-1)[:words] = raw[offset:offset + words]
         stream.enqueue(run)
 
+    def pinned_bytes(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, np.uint8)
+
+    def copy_bytes(self, dst: np.ndarray, src: np.ndarray, stream: SimStream) -> None:
+        """Copy contiguous src into dst (equal nbytes, any dtypes) when the queued copy runs."""
+        if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            raise ValueError(f"copy_bytes: needs contiguous arrays of equal size ({dst.nbytes} vs {src.nbytes} B)")
+        d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+        stream.enqueue(lambda: np.copyto(d, s))
+
     def copy_d2d(self, dst: np.ndarray, src: np.ndarray, stream: SimStream) -> None:
         stream.enqueue(lambda: np.copyto(dst, src))
 
-    # kernels (emulated; the CUDA versions live in cupykv/kernels/pipeline.cu)
+    # kernels (emulated; the CUDA versions live in cupykv/kernels/step.cu)
     def apply_deltas(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, consts,
                      num_values: Optional[int] = None) -> None:
         def run():

@@ -1,0 +1,138 @@
+"""The host tier: a pinned host pool per layer group, and suspend / resume of a request's KV.
+
+A device slot of group g is one contiguous range of KVStorage.arrays[g] ([scale, tpb, kv_heads,
+head_dim]), so a request moves as a few contiguous copies (one per run of adjacent slots) on the tier's
+own copy stream, overlapping with other steps' device work. Both directions follow the rule the
+snapshots follow: nobody writes a copy's source or destination until the event after it has completed,
+and no pinned buffer is dropped while a copy may touch it (the pool is allocated once, for the life of
+the tier).
+
+    suspend: copy stream waits for the finish of the request's last step (its consumer wrote the KV)
+             D2H copies of the resident blocks -> `copied` event
+             manager.detach: device slots released, quarantined until `copied` (and every step so far)
+    resume:  manager.attach: device slots taken (all or nothing), table rows restored, and
+             H2D copies -> `loaded` event; the next step that schedules the request waits for it on the
+             device before its tables are ready
+             host slots return to the pool once `loaded` has completed
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+import numpy as np
+
+from .errors import CupykvError, InvalidRequestError, InvalidSpecError
+
+
+class HostTierFullError(CupykvError):
+    """The host tier has too few free slots for the request; nothing was copied or released."""
+
+
+@dataclass
+class _Suspended:
+    blocks: List[np.ndarray]         # per group: block ordinals that held a slot
+    host_slots: List[np.ndarray]     # per group: where they went in the host pool
+    copied: object                   # event after the D2H copies
+
+
+def _runs(a: np.ndarray, b: np.ndarray) -> List[Tuple[int, int, int]]:
+    """(a0, b0, n): maximal runs where a and b both step by one, so one copy moves n slots."""
+    if len(a) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(a)]))
+    return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts.tolist(), ends.tolist())]
+
+
+class HostTier:
+    """Pinned host slots per group (host_tier_bytes split like the device memory), and the requests
+    whose KV they hold."""
+
+    def __init__(self, storage, manager, nbytes: int):
+        self.manager, self.storage, self.backend = manager, storage, storage.backend
+        slot_bytes = [int(a[0].nbytes) for a in storage.arrays]
+        device = [int(a.nbytes) for a in storage.arrays]
+        slots = [int(nbytes * d / sum(device)) // b for d, b in zip(device, slot_bytes)]
+        if min(slots) < 1:
+            raise InvalidSpecError(f"host_tier_bytes={nbytes}: too small for one slot of every group "
+                                   f"(slot bytes per group: {slot_bytes})")
+        self.slot_bytes = slot_bytes
+        self.pools = [self.backend.pinned_bytes(n * b).reshape(n, b) for n, b in zip(slots, slot_bytes)]
+        self._free: List[List[int]] = [list(range(n - 1, -1, -1)) for n in slots]   # lowest on top
+        self._returning: List[Tuple[object, int, np.ndarray]] = []   # (event, group, host slots)
+        self.held: Dict[Hashable, _Suspended] = {}
+        self.stream = self.backend.new_stream("host tier")
+        self.bytes_to_host = self.bytes_to_device = 0
+
+    def suspend(self, rid: Hashable) -> None:
+        """Move the request's resident KV to host slots and release its device slots (see module doc)."""
+        mgr, be = self.manager, self.backend
+        after = mgr.check_detach(rid)
+        resident = mgr.resident_blocks(rid)
+        self._poll()
+        short = [p for p, (b, _) in enumerate(resident) if len(b) > len(self._free[p])]
+        if short:
+            p = short[0]
+            raise HostTierFullError(f"request {rid!r}: group {p} needs {len(resident[p][0])} host slots; "
+                                    f"{len(self._free[p])} free (the request stays resident)")
+        # -- nothing has changed so far --
+        host = [np.array([self._free[p].pop() for _ in range(len(b))], np.int64) for p, (b, _) in enumerate(resident)]
+        if after is not None:
+            be.wait(self.stream, after)
+        for p, ((_, dev), hs) in enumerate(zip(resident, host)):
+            self._copy(p, dev, hs, to_host=True)
+        copied = be.record(self.stream)
+        mgr.detach(rid, copied)
+        self.held[rid] = _Suspended([b for b, _ in resident], host, copied)
+
+    def resume(self, rid: Hashable) -> None:
+        """Bring a suspended request's KV back into fresh device slots (all or nothing; OutOfSlotsError
+        and nothing changed when they are not there)."""
+        held = self.held.get(rid)
+        if held is None:
+            self.manager.request(rid)           # unknown ids raise UnknownRequestError
+            raise InvalidRequestError(f"request {rid!r} is not suspended")
+
+        def copy_back(slots: Sequence[np.ndarray]):
+            for p, (dev, hs) in enumerate(zip(slots, held.host_slots)):
+                self._copy(p, dev, hs, to_host=False)      # after the D2H copies: same stream
+            return self.backend.record(self.stream)
+
+        loaded = self.manager.attach(rid, held.blocks, copy_back)
+        del self.held[rid]
+        self._returning += [(loaded, p, hs) for p, hs in enumerate(held.host_slots)]
+
+    def forget(self, rid: Hashable) -> None:
+        """The request was freed: its host slots return once its D2H copy has completed."""
+        held = self.held.pop(rid, None)
+        if held is not None:
+            self._returning += [(held.copied, p, hs) for p, hs in enumerate(held.host_slots)]
+
+    def stats(self) -> dict:
+        self._poll()
+        return dict(groups=[dict(total=len(pool), free=len(free), used=len(pool) - len(free))
+                            for pool, free in zip(self.pools, self._free)],
+                    suspended=len(self.held), bytes_to_host=self.bytes_to_host, bytes_to_device=self.bytes_to_device)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
+        dev, host, be = self.storage.arrays[p], self.pools[p], self.backend
+        for d0, h0, n in _runs(np.asarray(dev_slots, np.int64), host_slots):
+            src, dst = (dev[d0:d0 + n], host[h0:h0 + n]) if to_host else (host[h0:h0 + n], dev[d0:d0 + n])
+            be.copy_bytes(dst, src, self.stream)
+        moved = len(host_slots) * self.slot_bytes[p]
+        if to_host:
+            self.bytes_to_host += moved
+        else:
+            self.bytes_to_device += moved
+
+    def _poll(self) -> None:
+        keep = []
+        for event, p, hs in self._returning:
+            if event.done():
+                self._free[p].extend(sorted(hs.tolist(), reverse=True))
+            else:
+                keep.append((event, p, hs))
+        self._returning = keep
