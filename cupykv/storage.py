@@ -8,7 +8,7 @@ Users may bring their own storage and use only the tables; this class is the sim
 writer of each step's new K/V at the step's write positions (`KVCacheManager.write_pages` /
 `write_offsets`).
 
-K/V come in as numpy, CuPy or torch arrays of float16, bfloat16, float32 or float64. torch tensors are
+K/V come in as numpy, CuPy or torch arrays of float16, bfloat16 or float32. torch tensors are
 taken through DLPack (torch's __cuda_array_interface__ has no bfloat16), and bfloat16 is handled as raw
 16-bit words: copied as they are into bfloat16 storage, and converted with integer arithmetic otherwise
 (exact widening, round to nearest even when narrowing), so no CuPy kernel ever needs CuPy's bfloat16 type
@@ -27,7 +27,7 @@ from .host_tier import HostTier
 from .layout import Layout
 
 DTYPES = ("float16", "bfloat16", "float32")
-SOURCE_DTYPES = ("float16", "bfloat16", "float32", "float64")    # what write() takes for K and V
+SOURCE_DTYPES = ("float16", "bfloat16", "float32")    # what write() takes for K and V
 
 
 class StorageDtypeError(CupykvError, TypeError):
@@ -83,10 +83,7 @@ def f32_to_bf16_bits(xp, x):
 def storage_words(xp, array, source: str, storage: str):
     """K or V as C-contiguous raw words of the storage dtype (uint16 for float16 and bfloat16, uint32 for
     float32). array: an xp array of dtype `source`; a bfloat16 source comes as its raw uint16 words.
-    Already-matching data is not converted (zero-copy when contiguous). float64 is rounded to float32
-    first, on every backend (as CuPy's own float64 -> float16 conversion does)."""
-    if source == "float64":
-        array, source = array.astype(xp.float32), "float32"
+    Already-matching data is not converted (zero-copy when contiguous)."""
     if source == "bfloat16":
         if storage == "bfloat16":
             return xp.ascontiguousarray(array)
@@ -201,8 +198,9 @@ class KVStorage:
         """Write K/V of the step's new tokens for one layer at the step's write positions.
 
         k, v: [num_tokens, kv_heads, head_dim] in batch order (num_tokens = sum(step.num_tokens)): numpy,
-        CuPy or torch arrays of float16, bfloat16, float32 or float64, converted to the storage dtype
-        (rounded to nearest even; float64 through float32) unless they already have it. torch tensors are
+        CuPy or torch arrays of float16, bfloat16 or float32, converted to the storage dtype (rounded to
+        nearest even) unless they already have it (float64 is refused: the GPU's narrowing of float64
+        differs from numpy's near the float32 limits; convert it yourself). torch tensors are
         taken through DLPack; on the host backend they must be CPU tensors. Other dtypes raise
         StorageDtypeError naming both dtypes.
 

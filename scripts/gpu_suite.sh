@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 for part in $parts; do
   case $part in
-    tests) run pytest python3 -m pytest tests -q -ra -p no:cacheprovider ;;
+    tests) run pytest timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider ;;
     gpu-tests)   # the tests that touch the GPU (the rest is host-only and runs in CI)
       run pytest_gpu timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py \
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
