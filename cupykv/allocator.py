@@ -149,6 +149,13 @@ class CachingSlotPool(SlotPool):
                 self.num_quarantined -= 1
         np.add.at(self.refs, slots, 1)
 
+    def unname(self, slots: np.ndarray) -> None:
+        """The cache no longer names these slots: an evictable one becomes free (reused first)."""
+        self.hashed[slots] = False
+        gone = [s for s in slots.tolist() if self._evictable.pop(s, False) is None]
+        if gone:
+            self._push_free(np.array(gone, np.int32))
+
     def release(self, slots: np.ndarray, tag: int) -> np.ndarray:
         """Drop one holder of each slot; slots left with none are quarantined (returned)."""
         if len(slots) == 0:
@@ -162,7 +169,12 @@ class CachingSlotPool(SlotPool):
         return last
 
     def _lift(self, tag: int, slots: np.ndarray) -> int:
-        slots = slots[self.qtag[slots] == tag]          # not taken by a hit, not released again since
+        # Not taken by a hit, not released again since; once each, in the order of its last release (hit
+        # and released again under the same tag, a slot is in its entry twice).
+        slots = slots[self.qtag[slots] == tag]
+        if len(slots) > 1:
+            _, last = np.unique(slots[::-1], return_index=True)
+            slots = slots[::-1][np.sort(last)][::-1]
         self.qtag[slots] = NO_TAG
         cached = self.hashed[slots]
         self._evictable.update((s, None) for s in slots[cached].tolist())

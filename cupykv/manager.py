@@ -499,22 +499,23 @@ class KVCacheManager:
             if len(moved):
                 r, hi = rows[moved], end[moved]
                 pair_rows, blocks = _expand_ranges(r, done[moved], hi)
-                drop = None
-                if self.cache is not None:      # blocks outside every retained window lose their hash
-                    drop = ~np.concatenate([self.cache.kept(row, g, blocks[pair_rows == row]) for row in r.tolist()])
-                self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag, drop)
+                cells = self.page_table.cells(g.index, pair_rows, blocks)
+                if self.cache is None:
+                    self._release(g.index, cells, tag)
+                else:       # blocks outside every retained window leave the cache once nobody holds them
+                    slots = self.page_table.flat[cells]
+                    drop = np.concatenate([self.cache.leaving(row, g, blocks[pair_rows == row], slots[pair_rows == row])
+                                           for row in r.tolist()])
+                    self._release(g.index, cells, tag)
+                    self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
                 self.requests.stale_done[g.index, r] = hi
 
     # -- slots -------------------------------------------------------------------------------------
-    def _release(self, p: int, cells: np.ndarray, tag: int, drop: Optional[np.ndarray] = None) -> None:
+    def _release(self, p: int, cells: np.ndarray, tag: int) -> None:
         """Let go of the slots held at these flat cells of group p and clear the cells; slots left with no
-        holder are quarantined. drop: cells whose slot also leaves the prefix cache (bool mask)."""
-        dropped = self.page_table.flat[cells[drop]] if drop is not None and drop.any() else None
+        holder are quarantined."""
         _, slots = self.page_table.take(cells)
         self.pools[p].release(slots, tag)
-        if dropped is not None:
-            dropped = dropped[dropped != BAD]
-            self.cache.unhash(p, dropped[self.pools[p].refs[dropped] == 0])
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):

@@ -49,6 +49,7 @@ class CachedSeq:
     boundaries: List[int]                # positions whose window is retained (prompt end, chunk ends, ...)
     hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
     published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
+    margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
 
 
 class PrefixCache:
@@ -116,6 +117,7 @@ class PrefixCache:
     # -- requests --------------------------------------------------------------------------------
     def begin(self, row: int, seq: CachedSeq) -> None:
         seq.published = [seq.hit_blocks] * len(self.groups)
+        seq.margin = [None] * len(self.groups)
         self.seqs[row] = seq
         self.complete[row] = True
 
@@ -168,12 +170,28 @@ class PrefixCache:
         for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
             self.publish(int(rows[j]), int(hist[j]), table[:, rows[j]])
 
-    def kept(self, row: int, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
-        """Which of these out-of-window blocks of a request keep their hash when released (bool mask)."""
+    def leaving(self, row: int, g: LayerGroup, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Slots that leave the cache as these out-of-window blocks of a request are released (blocks
+        ascending; slots their table cells): the blocks outside every retained range. The newest of them
+        keeps its hash until the next release: if the request ends first, it is the block before its last
+        window. Returns slots to unhash once nobody holds them."""
         seq = self.seqs.get(row)
-        if self.retention == "all" or seq is None:
-            return np.ones(len(blocks), bool)
-        keep = blocks < seq.hit_blocks
+        if self.retention == "all" or seq is None or len(blocks) == 0:
+            return np.zeros(0, np.int32)
+        keep = self._keeps(seq, g, blocks)
+        keep[-1] = True
+        drop = slots[~keep & (slots != BAD)].tolist()
+        old = seq.margin[g.index]
+        if old is not None and not self._keeps(seq, g, np.array([old[0]]))[0]:
+            b, slot = old                     # still the same block's slot (not evicted and reused since)?
+            if self.hash_of[g.index].get(slot) == seq.hashes[b] and self.pools[g.index].refs[slot] == 0:
+                drop.append(slot)
+        if slots[-1] != BAD:
+            seq.margin[g.index] = (int(blocks[-1]), int(slots[-1]))
+        return np.array(drop, np.int32)
+
+    def _keeps(self, seq: CachedSeq, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
+        keep = blocks < seq.hit_blocks             # a hit's blocks: another request's boundaries kept them
         for lo, hi in self._retained(g, seq.boundaries):
             keep |= (blocks >= lo) & (blocks < hi)
         return keep
@@ -212,7 +230,7 @@ class PrefixCache:
         """Slots released for good (out of the window, not retained): no longer hits, reused first."""
         named = [int(s) for s in slots if self.pools[p].hashed[s]]
         if named:
-            self.pools[p].hashed[named] = False
+            self.pools[p].unname(np.array(named, np.int32))
             self._forget(p, named)
 
     def _forget(self, p: int, slots) -> None:
@@ -234,6 +252,6 @@ class PrefixCache:
 
     def state(self) -> tuple:
         seqs = tuple((row, s.salt, tuple(s.tail), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
-                      bool(self.complete[row]), tuple(s.published)) for row, s in sorted(self.seqs.items()))
+                      bool(self.complete[row]), tuple(s.published), tuple(s.margin)) for row, s in sorted(self.seqs.items()))
         return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
                 self.queries, self.query_tokens, self.hit_tokens)
