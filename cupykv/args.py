@@ -24,9 +24,12 @@ def as_count(value, what: str, *, minimum: int = 0, maximum: Optional[int] = Non
 
     what: how the message names the argument, e.g. "num_gen_tokens" or "request 'a': accepted".
     """
-    if not is_count(value):
+    if type(value) is int:          # the common case first: this runs on every call of the hot path
+        n = value
+    elif not is_count(value):
         raise error(f"{what}={value!r} must be an int (Python or numpy), not {type(value).__name__}")
-    n = int(value)
+    else:
+        n = int(value)
     if n < minimum or (maximum is not None and n > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise error(f"{what}={value!r} must be {bound}")
@@ -52,7 +55,9 @@ def context_items(contexts) -> list:
 
 
 def request_ids(generation) -> list:
-    """prepare_batch's generation list (any iterable of ids, or a numpy array) as a list."""
+    """prepare_batch's generation list (any iterable of ids, or a numpy array) as a list of its own."""
+    if type(generation) is list or type(generation) is tuple:      # before the slower ABC checks
+        return list(generation)
     if isinstance(generation, np.ndarray):
         return generation.tolist()
     if isinstance(generation, (str, bytes)) or not isinstance(generation, Iterable):

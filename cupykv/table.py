@@ -24,15 +24,16 @@ class PageTable:
         self.flat = self.array.reshape(-1)                # a view: cells by flat index
         self.max_blocks = max_blocks
         self.group_base = np.arange(num_groups, dtype=np.int64)[:, None] * (rows * max_blocks)  # [P, 1]
+        self._base = [int(b) for b in self.group_base[:, 0]]     # the same, as Python ints
         self._log: List[np.ndarray] = []
 
     def cells(self, p: int, rows, blocks) -> np.ndarray:
-        """Flat indices of table[p, rows, blocks] (broadcast)."""
-        return np.asarray(rows, np.int64) * self.max_blocks + (np.asarray(blocks, np.int64) + int(self.group_base[p, 0]))
+        """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
+        return np.add(rows * self.max_blocks, blocks + self._base[p], dtype=np.int64)
 
     def row_cells(self, p: int, row: int) -> np.ndarray:
         """Flat indices of the held (non-BAD) cells of one row of group p."""
-        start = int(self.group_base[p, 0]) + row * self.max_blocks
+        start = self._base[p] + row * self.max_blocks
         return np.flatnonzero(self.flat[start:start + self.max_blocks] != BAD) + start
 
     def write(self, cells: np.ndarray, values) -> None:
