@@ -42,6 +42,12 @@ class Layout:
         self.layer_koff = (2 * self.layer_index).astype(np.int32)  # K page offset; V is K + 1
         self.group_scale = np.array([g.scale for g in self.groups], np.int32)
         self.slots_per_group = self._slots_per_group()
+        if spec.null_slot and min(self.slots_per_group) < 2:
+            raise InvalidSpecError(f"CacheSpec.null_slot=True: every group needs 2 slots or more (one is the "
+                                   f"null slot); slots per group: {self.slots_per_group}")
+        # With null_slot, each group's last slot is reserved: never allocated, never written, zero-filled.
+        self.null_slots = (tuple(n - 1 for n in self.slots_per_group) if spec.null_slot else None)
+        self.allocatable_slots = tuple(n - (1 if spec.null_slot else 0) for n in self.slots_per_group)
 
     @property
     def num_groups(self) -> int:

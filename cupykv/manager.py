@@ -104,7 +104,7 @@ class KVCacheManager:
         if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
                                    f"at most 2^31 - 1 (lower max_batch or max_seq_len)")
-        self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n) for n in lay.slots_per_group]
+        self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n) for n in lay.allocatable_slots]
         self.cache = PrefixCache(lay, self.pools, spec.prefix_retention) if spec.prefix_caching else None
         self.page_table = PageTable(be, P, rows, B)
         self.ledger = StepLedger(self.pools, float(staging_timeout_s))

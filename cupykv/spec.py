@@ -60,6 +60,8 @@ class CacheSpec:
     table_mode: "per_layer" (out[L, max_batch, 2, B]) or "shared" (out[groups, max_batch, 2, B]).
     max_step_tokens: the most new tokens one step may schedule (sizes the fixed write-position
         buffers); None means 8192 prefill tokens plus max_batch * (1 + max_rewind) decode tokens.
+    null_slot: reserve one slot per group that is never allocated or written; BAD cells of the output
+        tables (and padding rows) hold its page index instead of -1, as tile-based kernels need.
     prefix_caching: reuse the KV of full blocks shared with earlier requests (add(..., tokens=...)).
     prefix_retention: which out-of-window blocks of sliding-window groups stay cached: "boundaries"
         (the windows of the prompt end, chunk ends, checkpoints and the request's end) or "all".
@@ -82,6 +84,7 @@ class CacheSpec:
     max_rewind: int = 0
     table_mode: str = "per_layer"
     max_step_tokens: Optional[int] = None
+    null_slot: bool = False
     prefix_caching: bool = False
     prefix_retention: str = "boundaries"
     windows_tuple: tuple = field(init=False, repr=False, compare=False)
@@ -120,7 +123,7 @@ class CacheSpec:
         if self.max_step_tokens is not None:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
         _choice("table_mode", self.table_mode, TABLE_MODES)
-        for name in ("swa_scratch_reuse", "prefix_caching"):
+        for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 _fail(name, getattr(self, name), "must be a bool")
             put(name, bool(getattr(self, name)))
