@@ -187,6 +187,10 @@ class CachingSlotPool(SlotPool):
     def quarantined_slots(self) -> np.ndarray:
         return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)
 
+    def count_evictable(self, slots) -> int:
+        """How many of these slots are evictable now."""
+        return sum(1 for s in slots if int(s) in self._evictable)
+
     def evictable_slots(self) -> np.ndarray:
         """Evictable slots, least recently released first."""
         return np.fromiter(self._evictable, np.int32, len(self._evictable))

@@ -65,6 +65,9 @@ class HostTier:
         self.held: Dict[Hashable, _Suspended] = {}
         self.stream = self.backend.new_stream("host tier")
         self.bytes_to_host = self.bytes_to_device = 0
+        self.cache = manager.cache
+        if self.cache is not None:     # with prefix caching, blocks evicted from the device come here
+            self.cache.attach_host(self)
 
     def suspend(self, rid: Hashable) -> None:
         """Move the request's resident KV to host slots and release its device slots (see module doc)."""
@@ -72,13 +75,14 @@ class HostTier:
         after = mgr.check_detach(rid)
         resident = mgr.resident_blocks(rid)
         self._poll()
-        short = [p for p, (b, _) in enumerate(resident) if len(b) > len(self._free[p])]
+        short = [p for p, (b, _) in enumerate(resident)
+                 if len(b) > len(self._free[p]) + (len(self.cache.host_hash_of[p]) if self.cache else 0)]
         if short:
             p = short[0]
             raise HostTierFullError(f"request {rid!r}: group {p} needs {len(resident[p][0])} host slots; "
                                     f"{len(self._free[p])} free (the request stays resident)")
         # -- nothing has changed so far --
-        host = [np.array([self._free[p].pop() for _ in range(len(b))], np.int64) for p, (b, _) in enumerate(resident)]
+        host = [np.array([self._take(p) for _ in range(len(b))], np.int64) for p, (b, _) in enumerate(resident)]
         if after is not None:
             be.wait(self.stream, after)
         for p, ((_, dev), hs) in enumerate(zip(resident, host)):
@@ -104,6 +108,31 @@ class HostTier:
         del self.held[rid]
         self._returning += [(loaded, p, hs) for p, hs in enumerate(held.host_slots)]
 
+    # -- cached blocks (with prefix caching; the cache names them, see PrefixCache._evicted) ---------
+    def cache_slot(self, p: int):
+        """A free host slot of group p for an evicted cached block, or None."""
+        self._poll()
+        return self._free[p].pop() if self._free[p] else None
+
+    def copy_out(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray):
+        """Copy device slots (evictable: their quarantine has lifted) to host slots; returns the event."""
+        self._copy(p, dev_slots, host_slots, to_host=True)
+        return self.backend.record(self.stream)
+
+    def copy_in(self, p: int, host_slots: np.ndarray, dev_slots: np.ndarray):
+        """Copy host slots into fresh device slots; the host slots return after the copy. Returns its event."""
+        self._copy(p, dev_slots, host_slots, to_host=False)
+        loaded = self.backend.record(self.stream)
+        self._returning.append((loaded, p, host_slots))
+        return loaded
+
+    def _take(self, p: int) -> int:
+        """A host slot for a suspended request's block: a free one, else the least recently cached block's
+        (its block leaves the cache)."""
+        if self._free[p]:
+            return self._free[p].pop()
+        return self.cache.drop_host_block(p)
+
     def forget(self, rid: Hashable) -> None:
         """The request was freed: its host slots return once its D2H copy has completed."""
         held = self.held.pop(rid, None)
@@ -112,8 +141,9 @@ class HostTier:
 
     def stats(self) -> dict:
         self._poll()
-        return dict(groups=[dict(total=len(pool), free=len(free), used=len(pool) - len(free))
-                            for pool, free in zip(self.pools, self._free)],
+        cached = [len(t) for t in self.cache.host_hash_of] if self.cache else [0] * len(self.pools)
+        return dict(groups=[dict(total=len(pool), free=len(free), used=len(pool) - len(free) - c, cached=c)
+                            for pool, free, c in zip(self.pools, self._free, cached)],
                     suspended=len(self.held), bytes_to_host=self.bytes_to_host, bytes_to_device=self.bytes_to_device)
 
     # -- internals -------------------------------------------------------------------------------

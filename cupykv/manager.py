@@ -161,20 +161,38 @@ class KVCacheManager:
             reqs.add(rid, n)
             return 0
         seq = cache.new_seq(toks, salt, [n, *marks])
-        hit, pairs = cache.lookup(seq.hashes, n)
+        hit, triples = cache.lookup(seq.hashes, n)
+        if not self._room_for_host_hits(triples):       # host blocks need device slots to come back to
+            hit, triples = cache.lookup(seq.hashes, n, with_host=False)
         # -- nothing has changed so far --
         row = reqs.add(rid, n).row
         reqs.hist[row] = reqs.cap[row] = cached = hit * self.layout.tpb
-        for g, held in zip(self.layout.groups, pairs):
-            if held:
-                blocks, slots = (np.array(a, np.int64) for a in zip(*held))
+        for g, held in zip(self.layout.groups, triples):
+            on_device = [(b, s) for b, s, on_host in held if not on_host]
+            on_host = [(b, s) for b, s, on_host in held if on_host]
+            if on_device:
+                blocks, slots = (np.array(a, np.int64) for a in zip(*on_device))
                 self.pools[g.index].acquire(slots)
+                self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
+            if on_host:         # copied back into fresh slots; the request's first step waits for the copy
+                blocks, host_slots = (np.array(a, np.int64) for a in zip(*on_host))
+                slots, reqs.loading[row] = cache.bring_back(g.index, [seq.hashes[b] for b in blocks.tolist()],
+                                                            host_slots.tolist(), self.pools[g.index].allocate)
                 self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
             reqs.stale_done[g.index, row] = max(g.sink_blocks, min(int(g.stale_end(cached)), hit))
         seq.hit_blocks = hit
         cache.begin(row, seq)
         cache.queries, cache.query_tokens, cache.hit_tokens = cache.queries + 1, cache.query_tokens + n, cache.hit_tokens + cached
         return cached
+
+    def _room_for_host_hits(self, triples) -> bool:
+        """Every group can allocate a slot for each hit host block, after the hit device blocks were taken
+        back from the evictable list."""
+        for pool, held in zip(self.pools, triples):
+            on_host = sum(1 for _, _, h in held if h)
+            if on_host and on_host > pool.num_available - pool.count_evictable([s for _, s, h in held if not h]):
+                return False
+        return True
 
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
@@ -389,6 +407,8 @@ class KVCacheManager:
         cells = table.logged()
         # Our writes come after the previous consumer's reads, and after the copy back of any resumed KV.
         after = [ledger.latest.finished] if ledger.latest is not None else []
+        if self.cache is not None:     # blocks evicted to the host tier are copied out before we write
+            after += self.cache.take_pending()
         if reqs.loading:
             after += [reqs.loading.pop(r) for r in set(rows.tolist()) & reqs.loading.keys()]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.

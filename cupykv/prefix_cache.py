@@ -21,8 +21,9 @@ this module only names slots: `pool.hashed[slot]` is set while a hash maps to th
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -72,8 +73,12 @@ class PrefixCache:
         self.complete = np.ones(layout.spec.max_batch, bool)
         self.events: List[Tuple[str, int, bytes]] = []
         self.queries = self.query_tokens = self.hit_tokens = 0
+        self.host = None                                  # a HostTier taking evicted blocks (attach_host)
+        self.host_by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
+        self.host_hash_of: List["OrderedDict[int, bytes]"] = [OrderedDict() for _ in self.groups]  # LRU first
+        self.pending: list = []
         for p, pool in enumerate(pools):
-            pool.on_evict = lambda slots, p=p: self._forget(p, slots)
+            pool.on_evict = lambda slots, p=p: self._evicted(p, slots)
 
     # -- hashing and lookup ----------------------------------------------------------------------
     def new_seq(self, tokens: np.ndarray, salt: bytes, boundaries: List[int]) -> CachedSeq:
@@ -93,26 +98,86 @@ class PrefixCache:
             seq.hashes.append(parent)
         seq.tail = tokens[full * self.tpb:].tolist()
 
-    def lookup(self, hashes: List[bytes], prompt_len: int) -> Tuple[int, List[List[Tuple[int, int]]]]:
-        """(hit blocks b, per group the (block, slot) pairs to map) for the longest hit n = b * tpb."""
+    def lookup(self, hashes: List[bytes], prompt_len: int, with_host: bool = True):
+        """(hit blocks b, per group the (block, slot, on_host) triples to map) for the longest hit
+        n = b * tpb; blocks in the host tier count unless with_host is False."""
         top = min(len(hashes), (prompt_len - 1) // self.tpb)
+        with_host = with_host and self.host is not None
         ok = np.ones(top + 1, bool)            # ok[b]: a hit of b blocks is complete in every group so far
-        present = []
-        for g, table in zip(self.groups, self.by_hash):
-            have = np.fromiter((h in table for h in hashes[:top]), bool, top)
-            present.append(have)
+        b = np.arange(top + 1)
+        for g, table, host in zip(self.groups, self.by_hash, self.host_by_hash):
+            have = np.fromiter((h in table or (with_host and h in host) for h in hashes[:top]), bool, top)
             run = np.concatenate(([0], np.cumsum(have)))            # run[b] = cached blocks among [0, b)
-            b = np.arange(top + 1)
             start = np.minimum(g.stale_end(b * self.tpb), b)
-            sinks = min(g.sink_blocks, top)
-            ok &= (run[b] - run[start] == b - start) & ((run[np.minimum(b, sinks)] == np.minimum(b, sinks)))
+            sinks = np.minimum(b, g.sink_blocks)
+            ok &= (run[b] - run[start] == b - start) & (run[sinks] == sinks)
         hit = int(np.flatnonzero(ok)[-1])
-        pairs = []
-        for g, table in zip(self.groups, self.by_hash):
+        triples = []
+        for g, table, host in zip(self.groups, self.by_hash, self.host_by_hash):
             start = min(int(g.stale_end(hit * self.tpb)), hit)
             blocks = list(range(min(g.sink_blocks, start))) + list(range(start, hit))
-            pairs.append([(b, table[hashes[b]]) for b in blocks])
-        return hit, pairs
+            triples.append([(x, table[hashes[x]], False) if hashes[x] in table else (x, host[hashes[x]], True)
+                            for x in blocks])
+        return hit, triples
+
+    # -- the host tier -----------------------------------------------------------------------------
+    def attach_host(self, host) -> None:
+        """Blocks evicted from the device go to `host` (a HostTier) while it has room, and stay hits."""
+        self.host = host
+
+    def _evicted(self, p: int, slots: np.ndarray) -> None:
+        """Cached device slots were handed to a new owner: their blocks go to the host tier when it takes
+        them (least recently cached host blocks make way), else they leave the cache."""
+        if self.host is None:
+            self._forget(p, slots)
+            return
+        moves = []
+        for s in np.asarray(slots).tolist():
+            h = self.hash_of[p].pop(s, None)
+            if h is None:
+                continue
+            del self.by_hash[p][h]
+            hs = self.host.cache_slot(p)
+            if hs is None and self.host_hash_of[p]:            # make way: the least recently cached goes
+                hs, old = self.host_hash_of[p].popitem(last=False)
+                del self.host_by_hash[p][old]
+                self.events.append((REMOVED, p, old))
+            if hs is None:
+                self.events.append((REMOVED, p, h))
+                continue
+            self.host_by_hash[p][h], self.host_hash_of[p][hs] = hs, h
+            moves.append((s, hs))
+        if moves:
+            dev, host = (np.array(a, np.int64) for a in zip(*moves))
+            # the slots' new owner writes them only after this copy: its step waits for the event
+            self.pending.append(self.host.copy_out(p, dev, host))
+
+    def bring_back(self, p: int, hashes: List[bytes], host_slots: List[int], allocate):
+        """Host blocks hit by a new request: copied into `allocate(n)` fresh device slots and named there
+        again; their host slots return to the tier after the copy. Returns (device slots, copy event).
+
+        The host blocks leave the host maps before the allocation, which may evict device blocks to the
+        host tier: those copies take other host slots, and run before ours on the tier stream (a slot
+        evicted into our allocation is copied out before our copy overwrites it)."""
+        for h, hs in zip(hashes, host_slots):
+            del self.host_by_hash[p][h], self.host_hash_of[p][hs]
+        slots = allocate(len(hashes))
+        for h, s in zip(hashes, slots.tolist()):
+            self.by_hash[p][h], self.hash_of[p][s] = s, h
+        self.pools[p].hashed[slots] = True
+        return slots, self.host.copy_in(p, np.array(host_slots, np.int64), slots)
+
+    def drop_host_block(self, p: int) -> int:
+        """The least recently cached host block of group p leaves the cache; returns its host slot."""
+        hs, h = self.host_hash_of[p].popitem(last=False)
+        del self.host_by_hash[p][h]
+        self.events.append((REMOVED, p, h))
+        return hs
+
+    def take_pending(self) -> list:
+        """Events the next step must wait for on the device (copies out of slots it may write)."""
+        events, self.pending = self.pending, []
+        return events
 
     # -- requests --------------------------------------------------------------------------------
     def begin(self, row: int, seq: CachedSeq) -> None:
@@ -248,10 +313,12 @@ class PrefixCache:
     def stats(self) -> dict:
         return dict(queries=self.queries, query_tokens=self.query_tokens, hit_tokens=self.hit_tokens,
                     groups=[dict(cached_blocks=len(table), evictable_blocks=pool.num_evictable,
-                                 evictions=pool.evictions) for table, pool in zip(self.by_hash, self.pools)])
+                                 evictions=pool.evictions, host_blocks=len(host))
+                            for table, pool, host in zip(self.by_hash, self.pools, self.host_by_hash)])
 
     def state(self) -> tuple:
         seqs = tuple((row, s.salt, tuple(s.tail), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
                       bool(self.complete[row]), tuple(s.published), tuple(s.margin)) for row, s in sorted(self.seqs.items()))
         return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
+                tuple(tuple(t.items()) for t in self.host_hash_of),
                 self.queries, self.query_tokens, self.hit_tokens)

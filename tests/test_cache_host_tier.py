@@ -1,0 +1,115 @@
+"""Prefix caching with a host tier: cached blocks evicted from the device go to host slots and stay hits;
+a hit on a host block copies it back, and the KV a later request reads through its tables is the KV the
+first request wrote. The spill copy out of an evicted slot is ordered before its new owner's writes:
+a gate holds the copy while the new owner's step and writes are enqueued, and a variant without that
+ordering reads the new owner's KV instead."""
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv.storage import KVStorage
+
+TPB = 8
+
+
+def kv_value(token: np.ndarray, pos: np.ndarray, layer: int, role: int) -> np.ndarray:
+    """The toy model's K (role 0) or V (role 1) of tokens at positions: [n, heads=1, dim=4], exact in fp32."""
+    base = (token * 7 + pos * 3 + layer * 11 + role * 5) % 251
+    return (base[:, None, None] + np.arange(4)[None, None, :] / 8.0).astype(np.float32)
+
+
+def make(backend_name):
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=256,
+                            max_batch=4, slots_per_group=[12, 12], prefix_caching=True, swa_scratch_reuse=False,
+                            dtype="float32")
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    storage = KVStorage(mgr, host_tier_bytes=1 << 20)
+    return mgr, storage
+
+
+def prefill(mgr, storage, rid, tokens, before_finish=None):
+    n = mgr.add(rid, len(tokens), tokens=tokens)
+    pos = np.arange(n, len(tokens))
+    tok = np.asarray(tokens)[n:]
+    xp = mgr.backend.xp       # K/V on the device before any gate closes (a host array's upload waits)
+    kv = [(xp.asarray(kv_value(tok, pos, layer, 0)), xp.asarray(kv_value(tok, pos, layer, 1)))
+          for layer in range(mgr.spec.num_layers)]
+    mgr.backend.synchronize()
+    step = mgr.prepare_batch({rid: len(tokens) - n})
+    if before_finish is not None:
+        before_finish()
+    for layer, (k, v) in enumerate(kv):
+        storage.write(step, layer, k, v)
+    step.finish()
+    mgr.settle(step)
+    return n
+
+
+def cached_kv_matches(mgr, storage, rid, tokens, upto: int) -> bool:
+    """The KV the request's table rows map for positions [0, upto) equals the toy model's (where held)."""
+    mgr.synchronize()
+    row = mgr.request(rid).row
+    lay = mgr.layout
+    ok = True
+    for g in lay.groups:
+        arr = mgr.backend.to_numpy(storage.arrays[g.index])
+        for b in range(upto // TPB):
+            slot = int(mgr.table[g.index, row, b])
+            if slot < 0:
+                continue
+            pos = np.arange(b * TPB, (b + 1) * TPB)
+            for i, layer in enumerate(g.layers):
+                for role in (0, 1):
+                    ok &= np.array_equal(arr[slot, 2 * i + role], kv_value(np.asarray(tokens)[pos], pos, layer, role))
+    return bool(ok)
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["spill-ordered", "unsafe-no-wait"])
+def test_evicted_blocks_go_to_the_host_and_come_back(backend_name, ordered, monkeypatch):
+    mgr, storage = make(backend_name)
+    be = mgr.backend
+    if not ordered:       # the variant without the protection: the new owner does not wait for the spill
+        monkeypatch.setattr(mgr.cache, "take_pending", lambda: [])
+    a = list(range(100, 140))                      # 5 full blocks
+    prefill(mgr, storage, "a", a)
+    mgr.free("a")
+    mgr.reclaim(wait=True)
+    assert mgr.stats()["prefix_cache"]["groups"][1]["evictable_blocks"] == 5
+    gate = None
+
+    def close_gate():     # hold the tier stream: the spill copies queue behind it
+        nonlocal gate
+        gate = be.gate(storage.host_tier.stream)
+
+    # c needs every slot of the full-attention group: a's cached blocks are evicted (to the host tier),
+    # and c's step writes them while the spill copy is held
+    c = list(range(500, 596))                      # 12 full blocks: every slot, 5 of them a's
+    be.synchronize()
+    prefill(mgr, storage, "c", c, before_finish=close_gate)
+    events = mgr.drain_cache_events()
+    stats = mgr.stats()["prefix_cache"]["groups"][1]
+    assert stats["evictions"] >= 5 and stats["host_blocks"] >= 5, stats
+    assert not any(kind == "removed" and g == 1 for kind, g, _ in events), "spilled blocks stay cached"
+    gate.open()
+    mgr.free("c")
+    mgr.reclaim(wait=True)
+    hit = mgr.add("b", 48, tokens=a + [1] * 8)
+    assert hit == 40                               # every block of a, from the host tier
+    step = mgr.prepare_batch({"b": 8})
+    step.finish()
+    mgr.settle(step)
+    assert cached_kv_matches(mgr, storage, "b", a, 40) == ordered
+
+
+def test_host_hits_need_free_device_slots(backend_name):
+    """A hit on host blocks needs device slots (free or evictable) to copy them into; without them, only
+    device blocks count, and nothing is allocated."""
+    mgr, storage = make(backend_name)
+    a = list(range(100, 140))
+    prefill(mgr, storage, "a", a)
+    mgr.free("a")
+    prefill(mgr, storage, "c", list(range(500, 596)))        # evicts a's blocks to the host tier
+    assert mgr.stats()["prefix_cache"]["groups"][1]["host_blocks"] >= 5
+    before = mgr.stats()["groups"][1]["free"]
+    assert mgr.add("b", 48, tokens=a + [1] * 8) == 0         # c holds every full-attention slot
+    assert mgr.stats()["groups"][1]["free"] == before
