@@ -9,8 +9,8 @@ the tier).
 
     suspend: copy stream waits for the finish of the request's last step (its consumer wrote the KV)
              D2H copies of the resident blocks -> `copied` event
-             manager.detach: device slots released, quarantined until `copied` (and every step so far)
-    resume:  manager.attach: device slots taken (all or nothing), table rows restored, and
+             residence.detach: device slots released, quarantined until `copied` (and every step so far)
+    resume:  residence.attach: device slots taken (all or nothing), table rows restored, and
              H2D copies -> `loaded` event; the next step that schedules the request waits for it on the
              device before its tables are ready
              host slots return to the pool once `loaded` has completed
@@ -72,8 +72,8 @@ class HostTier:
     def suspend(self, rid: Hashable) -> None:
         """Move the request's resident KV to host slots and release its device slots (see module doc)."""
         mgr, be = self.manager, self.backend
-        after = mgr.check_detach(rid)
-        resident = mgr.resident_blocks(rid)
+        after = mgr.residence.check_detach(rid)
+        resident = mgr.residence.resident_blocks(rid)
         self._poll()
         short = [p for p, (b, _) in enumerate(resident)
                  if len(b) > len(self._free[p]) + (len(self.cache.host_hash_of[p]) if self.cache else 0)]
@@ -88,7 +88,7 @@ class HostTier:
         for p, ((_, dev), hs) in enumerate(zip(resident, host)):
             self._copy(p, dev, hs, to_host=True)
         copied = be.record(self.stream)
-        mgr.detach(rid, copied)
+        mgr.residence.detach(rid, copied)
         self.held[rid] = _Suspended([b for b, _ in resident], host, copied)
 
     def resume(self, rid: Hashable) -> None:
@@ -104,7 +104,7 @@ class HostTier:
                 self._copy(p, dev, hs, to_host=False)      # after the D2H copies: same stream
             return self.backend.record(self.stream)
 
-        loaded = self.manager.attach(rid, held.blocks, copy_back)
+        loaded = self.manager.residence.attach(rid, held.blocks, copy_back)
         del self.held[rid]
         self._returning += [(loaded, p, hs) for p, hs in enumerate(held.host_slots)]
 

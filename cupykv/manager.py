@@ -27,6 +27,7 @@ from .layout import BAD, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache
+from .residence import Residence
 from .requests import GenBatch, Request, RequestId, RequestTable, frozen
 from .spec import CacheSpec
 from .staging import snapshot_words
@@ -116,6 +117,7 @@ class KVCacheManager:
                          else StepPipeline(lay, be, **options))
         self._windowed = [g for g in lay.groups if not g.keeps_every_block]
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
+        self.residence = Residence(self)
         self._scratch_held = [0] * P
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
@@ -209,74 +211,9 @@ class KVCacheManager:
             self.host_tier.forget(rid)
         self.requests.remove(rid)
 
-    # -- residence: the host tier (storage.HostTier) moves the KV, these keep the books ---------------
-    def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
-        blocks for full attention; the sinks and the window for a sliding window)."""
-        row, table = self.requests.get(rid).row, self.page_table
-        out = []
-        for p in range(self.layout.num_groups):
-            cells = table.row_cells(p, row)
-            out.append((cells - table.cells(p, row, 0), table.flat[cells].copy()))
-        return out
-
-    def check_detach(self, rid: RequestId):
-        """Raise unless the request could leave the device now: known, resident, in no unsettled step, its
-        last step finished. Returns that step's finish event while it may still run (copies of the
-        request's KV must wait for it: its consumer wrote the KV), else None."""
-        req = self.requests.get(rid)
-        if req.suspended:
-            raise InvalidRequestError(f"request {rid!r} is already suspended")
-        pending = req.pending
-        if pending:
-            raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
-        last = int(self.requests.last_scheduled[req.row])
-        for step in self.ledger.steps_in_flight():
-            if step.id == last:
-                if step.finished is None:
-                    raise StepOrderError(f"request {rid!r}: its last step {last} is not finished; call "
-                                         "step.finish(stream) after its consumer wrote the KV")
-                return step.finished
-        return None
-
-    def detach(self, rid: RequestId, copied) -> None:
-        """The request leaves the device (its KV was copied out): its slots are released, quarantined until
-        `copied` (the event after the copies that read them) and every step prepared so far completed; its
-        rows are cleared. It keeps its history and row, and may not be scheduled until attach."""
-        req = self.requests.get(rid)
-        self.check_detach(rid)
-        tag = self.ledger.record_fence(copied)
-        for p in range(self.layout.num_groups):
-            self._release(p, self.page_table.row_cells(p, req.row), tag)
-        self.requests.set_suspended(req.row, True)
-
-    def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:
-        """Raise unless the suspended request can get counts[p] device slots of every group p now (this
-        may wait for finish events whose quarantine would cover a shortfall)."""
-        req = self.requests.get(rid)
-        if not req.suspended:
-            raise InvalidRequestError(f"request {rid!r} is not suspended")
-        for p, need in enumerate(counts):
-            if need > self.pools[p].num_available and need > self.ledger.available(p):
-                self.ledger.wait_for_slots(p, need)
-                if need > self.ledger.available(p):
-                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to resume; "
-                                          f"{self.ledger.available(p)} free")
-        return req
-
-    def attach(self, rid: RequestId, blocks: Sequence[np.ndarray], copy_back):
-        """The suspended request takes device slots for blocks[p] of every group (all or nothing) and is
-        resident again. copy_back(slots per group) enqueues its KV's copies into them and returns the event
-        after them, which the next step that schedules the request waits for on the device. Returns it."""
-        req = self.check_attach(rid, [len(b) for b in blocks])
-        self.ledger.poll()
-        slots = [self.pools[p].allocate(len(b)) for p, b in enumerate(blocks)]
-        loaded = copy_back(slots)
-        for p, (b, s) in enumerate(zip(blocks, slots)):
-            self.page_table.write(self.page_table.cells(p, req.row, b), s)
-        self.requests.set_suspended(req.row, False)
-        self.requests.loading[req.row] = loaded
-        return loaded
+    def resident_blocks(self, rid: RequestId):
+        """Per group (blocks, slots) of the request that hold a device slot (see Residence)."""
+        return self.residence.resident_blocks(rid)
 
     def __contains__(self, rid: RequestId) -> bool:
         return self.requests.requests.__contains__(rid)

@@ -1,0 +1,92 @@
+"""Residence: which requests hold device slots, for the host tier (host_tier.HostTier moves the KV;
+this keeps the books). Check and act come in pairs: check_detach / detach, check_attach / attach.
+
+A detached (suspended) request keeps its row, history and capacity; its slots are released behind a
+ledger fence on the event after the copies that read them, its table rows are cleared, and it may not be
+scheduled. Attaching takes slots for the same blocks (all or nothing) and makes the next step that
+schedules the request wait for the copy back.
+"""
+from __future__ import annotations
+
+from typing import Hashable, List, Sequence, Tuple
+
+import numpy as np
+
+from .errors import InvalidRequestError, OutOfSlotsError, StepOrderError
+
+RequestId = Hashable
+
+
+class Residence:
+    def __init__(self, manager):
+        self.layout, self.requests, self.table = manager.layout, manager.requests, manager.page_table
+        self.pools, self.ledger = manager.pools, manager.ledger
+        self._release = manager._release
+
+    def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
+        blocks for full attention; the sinks and the window for a sliding window)."""
+        row, table = self.requests.get(rid).row, self.table
+        out = []
+        for p in range(self.layout.num_groups):
+            cells = table.row_cells(p, row)
+            out.append((cells - table.cells(p, row, 0), table.flat[cells].copy()))
+        return out
+
+    def check_detach(self, rid: RequestId):
+        """Raise unless the request could leave the device now: known, resident, in no unsettled step, its
+        last step finished. Returns that step's finish event while it may still run (copies of the
+        request's KV must wait for it: its consumer wrote the KV), else None."""
+        req = self.requests.get(rid)
+        if req.suspended:
+            raise InvalidRequestError(f"request {rid!r} is already suspended")
+        pending = req.pending
+        if pending:
+            raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
+        last = int(self.requests.last_scheduled[req.row])
+        for step in self.ledger.steps_in_flight():
+            if step.id == last:
+                if step.finished is None:
+                    raise StepOrderError(f"request {rid!r}: its last step {last} is not finished; call "
+                                         "step.finish(stream) after its consumer wrote the KV")
+                return step.finished
+        return None
+
+    def detach(self, rid: RequestId, copied) -> None:
+        """The request leaves the device (its KV was copied out): its slots are released, quarantined until
+        `copied` (the event after the copies that read them) and every step prepared so far completed; its
+        rows are cleared. It keeps its history and row, and may not be scheduled until attach."""
+        req = self.requests.get(rid)
+        self.check_detach(rid)
+        tag = self.ledger.record_fence(copied)
+        for p in range(self.layout.num_groups):
+            self._release(p, self.table.row_cells(p, req.row), tag)
+        self.requests.set_suspended(req.row, True)
+
+    def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:
+        """Raise unless the suspended request can get counts[p] device slots of every group p now (this
+        may wait for finish events whose quarantine would cover a shortfall)."""
+        req = self.requests.get(rid)
+        if not req.suspended:
+            raise InvalidRequestError(f"request {rid!r} is not suspended")
+        for p, need in enumerate(counts):
+            if need > self.pools[p].num_available and need > self.ledger.available(p):
+                self.ledger.wait_for_slots(p, need)
+                if need > self.ledger.available(p):
+                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to resume; "
+                                          f"{self.ledger.available(p)} free")
+        return req
+
+    def attach(self, rid: RequestId, blocks: Sequence[np.ndarray], copy_back):
+        """The suspended request takes device slots for blocks[p] of every group (all or nothing) and is
+        resident again. copy_back(slots per group) enqueues its KV's copies into them and returns the event
+        after them, which the next step that schedules the request waits for on the device. Returns it."""
+        req = self.check_attach(rid, [len(b) for b in blocks])
+        self.ledger.poll()
+        slots = [self.pools[p].allocate(len(b)) for p, b in enumerate(blocks)]
+        loaded = copy_back(slots)
+        for p, (b, s) in enumerate(zip(blocks, slots)):
+            self.table.write(self.table.cells(p, req.row, b), s)
+        self.requests.set_suspended(req.row, False)
+        self.requests.loading[req.row] = loaded
+        return loaded
