@@ -345,12 +345,16 @@ class KVCacheManager:
         # Our writes come after the previous consumer's reads, and after the copy back of any resumed KV.
         after = [ledger.latest.finished] if ledger.latest is not None else []
         if self.cache is not None:     # blocks evicted to the host tier are copied out before we write
-            after += self.cache.take_pending()
-        if reqs.loading:
-            after += [reqs.loading.pop(r) for r in set(rows.tolist()) & reqs.loading.keys()]
+            after += self.cache.spill_events()
+        loading = set(rows.tolist()) & reqs.loading.keys() if reqs.loading else ()
+        after += [reqs.loading[r] for r in loading]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
         self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells], after)
         table.clear_log()
+        for r in loading:          # waited for by this step, so by every later one (stream order)
+            del reqs.loading[r]
+        if self.cache is not None:
+            self.cache.pending.clear()
         ledger.record(step)
         if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
             self.pipeline.verify_mirror(table)

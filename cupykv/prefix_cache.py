@@ -174,10 +174,10 @@ class PrefixCache:
         self.events.append((REMOVED, p, h))
         return hs
 
-    def take_pending(self) -> list:
-        """Events the next step must wait for on the device (copies out of slots it may write)."""
-        events, self.pending = self.pending, []
-        return events
+    def spill_events(self) -> list:
+        """Events the next step must wait for on the device (copies out of slots it may write); the
+        manager clears them once that step is enqueued."""
+        return list(self.pending)
 
     # -- requests --------------------------------------------------------------------------------
     def begin(self, row: int, seq: CachedSeq) -> None:

@@ -69,7 +69,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back(backend_name, ordered, monk
     mgr, storage = make(backend_name)
     be = mgr.backend
     if not ordered:       # the variant without the protection: the new owner does not wait for the spill
-        monkeypatch.setattr(mgr.cache, "take_pending", lambda: [])
+        monkeypatch.setattr(mgr.cache, "spill_events", lambda: [])
     a = list(range(100, 140))                      # 5 full blocks
     prefill(mgr, storage, "a", a)
     mgr.free("a")
