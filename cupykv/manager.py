@@ -100,7 +100,6 @@ class KVCacheManager:
         self.backend = be = make_backend(backend) if isinstance(backend, str) else backend
         self.staging = staging
         self.debug_verify_mirror = debug_verify_mirror
-        self.use_graphs = use_graphs
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
@@ -133,6 +132,9 @@ class KVCacheManager:
     mirror = property(lambda self: self.pipeline.mirror, doc="The device mirror of the host table.")
     ring = property(lambda self: self.pipeline.ring, doc="The pinned snapshot ring.")
     h2d_bytes_last_step = property(lambda self: self.pipeline.h2d_bytes_last_step)
+    use_graphs = property(lambda self: self.pipeline.use_graphs,
+                          lambda self, on: setattr(self.pipeline, "use_graphs", bool(on)),
+                          doc="Replay each step's device work as a CUDA graph (may be switched between steps).")
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, rid: RequestId, prompt_len: int, *, tokens=None, cache_salt=None, checkpoints=()) -> int:

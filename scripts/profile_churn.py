@@ -46,9 +46,12 @@ if "--lines" in sys.argv:
     import cupykv.manager as m
     lp = LP = LineProfiler()
     import cupykv.allocator as al
+    import cupykv.ledger as ld
+    import cupykv.pipeline as pl
+    import cupykv.requests as rq
     for f in (m.KVCacheManager.prepare_batch, m.KVCacheManager._plan, m.KVCacheManager._commit,
-              m.KVCacheManager._launch, m.KVCacheManager._poll, m.KVCacheManager._plan_generation,
-              m.KVCacheManager._check_gen_ids, al.SlotPool.reclaim):
+              pl.StepPipeline.launch, pl.StepPipeline._enqueue, ld.StepLedger.poll,
+              rq.RequestTable.generation_batch, al.SlotPool.reclaim):
         lp.add_function(f)
     for i in range(10, 50): step(i)
     lp.print_stats(output_unit=1e-6, stripzeros=True)

@@ -66,9 +66,9 @@ def main():
           f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
     if "--lines" in sys.argv:
         from line_profiler import LineProfiler
-        from cupykv import manager, staging
+        from cupykv import manager, pipeline, staging
         lp = LineProfiler(manager.KVCacheManager._plan, manager.KVCacheManager._commit,
-                          manager.KVCacheManager._enqueue, staging.pack_snapshot)
+                          pipeline.StepPipeline._enqueue, staging.pack_snapshot)
         lp.enable()
         for _ in range(200):
             s = mgr.prepare_batch((), rids)
