@@ -218,13 +218,17 @@ class CsrViews:
         return f"CsrViews(step={self.step.id}, {self.kind}={self.index}, num_seqs={self.num_seqs})"
 
 
-def _compact(xp, rows, koff: int, indptr, indices) -> None:
-    """indptr/indices of the non-BAD entries of rows [n, B], in block order (no host synchronization)."""
+def _compact(xp, rows, koff: int, indptr, indices, null_page: int = BAD) -> None:
+    """indptr/indices of the entries of rows [n, B] that are neither BAD nor the null page (null_page: the
+    K page of the null slot these rows hold in BAD cells, BAD for none), in block order (no host
+    synchronization)."""
     n = rows.shape[0]
     indptr[0] = 0
     if n == 0:
         return
     mask = rows != BAD
+    if null_page != BAD:
+        mask &= rows != np.int32(null_page)
     counts = mask.astype(np.int32)
     xp.cumsum(counts.sum(axis=1, dtype=np.int32), dtype=np.int32, out=indptr[1:n + 1])
     pos = xp.cumsum(counts, axis=1, dtype=np.int32) - 1 + indptr[:n, None]
@@ -245,12 +249,14 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
       rotate per layer): such a call raises; use layer=.
     - layer=l: that layer's own K page indices (offset included, scratch pages included); V = K + 1.
     Pages index the group's page view [slots * scale, tpb, kv_heads, head_dim] (KVStorage.pages); for a
-    FlashInfer-style (k_cache, v_cache) pair use (pages, pages[1:]) with the same indices.
+    FlashInfer-style (k_cache, v_cache) pair use (pages[:-1], pages[1:]) with the same indices.
     kv_last_page_len[s] = (len - 1) % tpb + 1, in [1, tpb]: the last listed page holds the sequence's last
     token. Out-of-window blocks of SWA groups are released (BAD), so they are not listed: with sink tokens
     the list is the sink blocks followed by the blocks from the first in-window resident one on, so a
     consumer that needs absolute positions must not derive them from the list length alone (the table
     row, step.tables, has the block ordinals).
+    With CacheSpec(null_slot=True) the tables hold the null slot's page in BAD cells; the lists still hold
+    real pages only (the null page is left out as BAD is), so they are the same as without a null slot.
     A CsrBuffers holds one view at a time: a second csr_views call into the same buffers overwrites the
     first.
 
@@ -272,19 +278,22 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
         g = int(lay.layer_group[index])
         plane = g if shared else index
         koff = int(lay.layer_koff[index]) if shared else 0
+        row_koff = 0 if shared else int(lay.layer_koff[index])     # the K offset inside the table's cells
     else:
         if not 0 <= int(group) < lay.num_groups:
             raise InvalidRequestError(f"csr_views: group {group} out of range [0, {lay.num_groups})")
         kind, index = "group", int(group)
         g = index
         plane = g if shared else lay.groups[g].layers[0]      # the group's first layer has K offset 0
-        koff = 0
+        koff = row_koff = 0
         C = step.num_contexts
         if not shared and C and step.scratch_ends is not None and \
                 np.any(step.scratch_ends[g, :C] > step.scratch_begs[g, :C]):
             raise InvalidRequestError(f"csr_views: step {step.id} uses scratch blocks in group {g}; their pages "
                                       "differ per layer, so a group-level list is not defined; use layer=")
     n, B, tpb = step.num_seqs, lay.max_blocks, lay.tpb
+    # The K page the plane's BAD cells hold with a null slot (left out of the lists like BAD)
+    null_page = BAD if lay.null_slots is None else int(lay.null_slots[g]) * int(lay.group_scale[g]) + row_koff
     seq_lens = np.asarray(step.start_positions, np.int64) + np.asarray(step.num_tokens, np.int64)
     last_host = ((seq_lens - 1) % tpb + 1).astype(np.int32)
     if buffers is not None:
@@ -302,7 +311,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
         out = step.tables
 
         def run():     # on the simulated manager stream: reads the tables when it runs, as a kernel does
-            _compact(np, out[plane, :n, 0, :], koff, indptr, indices)
+            _compact(np, out[plane, :n, 0, :], koff, indptr, indices, null_page)
             last[:] = last_host
         st.enqueue(run)
         ready = be.record(st)
@@ -314,7 +323,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
                 indptr = cupy.zeros(n + 1, np.int32)
                 indices = cupy.full(n * B + 1, BAD, np.int32)
                 last = cupy.zeros(n, np.int32)
-            _compact(cupy, step.tables[plane, :n, 0, :], koff, indptr, indices)
+            _compact(cupy, step.tables[plane, :n, 0, :], koff, indptr, indices, null_page)
         be.upload_async(last_host, st, out=last)
         pending, ready = be.download_async(indptr, st)
     views = CsrViews(step, kind, index, indptr, indices[:-1], last, last_host, seq_lens, ready, pending)

@@ -4,6 +4,12 @@ Group g holds `[slots_g, scale_g, tpb, kv_heads, head_dim]`; its page view `[slo
 kv_heads, head_dim]` is what page indices address (docs/design.md, Concepts): page p of layer l is
 `pages(group(l))[p]`, K at the index the tables give, V at K + 1.
 
+With CacheSpec(null_slot=True) each group's last slot is the null slot: the tables' BAD cells (and
+padding rows) hold its pages, so a tile-based kernel that loads K/V for a released block reads a page of
+zeros inside the pool. The arrays are zero-filled at construction, the manager never allocates that slot,
+and no write position names it (BAD write positions are skipped and counted), so it stays zero
+(null_pages(group) is its pages).
+
 Users may bring their own storage and use only the tables; this class is the simple default, and the
 writer of each step's new K/V at the step's write positions (`KVCacheManager.write_pages` /
 `write_offsets`).
@@ -188,6 +194,12 @@ class KVStorage:
     def layer_pages(self, layer: int):
         """The page view that layer's page indices address (its group's)."""
         return self.pages(self.group_of(layer))
+
+    def null_pages(self, group: int):
+        """The null slot's pages of a group, [scale, tpb, kv_heads, head_dim] (a view; always zeros), or
+        None when the spec has no null slot (CacheSpec.null_slot)."""
+        nulls = self.layout.null_slots
+        return None if nulls is None else self.arrays[group][nulls[group]]
 
     @property
     def nbytes(self) -> int:

@@ -118,39 +118,64 @@ class Geometry:
 # Step outputs: DESIGN.md section 3
 # --------------------------------------------------------------------------------------------------
 def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None, scratch=None, *,
-                     shared: Optional[bool] = None, fill: int = BAD) -> np.ndarray:
-    """The tables of one step, [planes, max_batch, 2, B]; rows >= len(copy_idx) hold `fill`.
+                     shared: Optional[bool] = None, fill: int = BAD, null_slots=None,
+                     pad_to: int = 0) -> np.ndarray:
+    """The tables of one step, [planes, max_batch, 2, B]; rows >= max(len(copy_idx), pad_to) hold `fill`.
 
     table: [P, rows, B] base slots at the step's prepare; copy_idx: the table row of each batch entry;
     begs/ends [P, >= num_contexts] and scratch [P, >= num_contexts, M]: the contexts' scratch metadata.
-    shared: SHARED tables (default: the spec's table_mode).
+    shared: SHARED tables (default: the spec's table_mode). null_slots: [P] null slot per group
+    (DESIGN.md section 10: BAD cells and padding rows hold its page), or None (BAD stays BAD).
+    pad_to: rows [num_seqs, pad_to) are padding rows.
     """
     geo = Geometry(spec)
     shared = geo.shared if shared is None else shared
     out = np.full((geo.planes(shared), spec.max_batch, 2, geo.max_blocks), fill, np.int32)
     if shared:
-        return reference.convert_shared(table, copy_idx, geo.group_scale, out=out)
+        return reference.convert_shared(table, copy_idx, geo.group_scale, out=out, null_slots=null_slots,
+                                        pad_to=pad_to)
     P = len(geo.groups)
     none = np.zeros((P, 0), np.int32)
     return reference.convert_per_layer(table, copy_idx, num_contexts, none if begs is None else begs,
                                        none if ends is None else ends,
                                        np.zeros((P, 0, 0), np.int32) if scratch is None else scratch,
-                                       geo.layer_group, geo.group_scale, geo.layer_koff, out=out)
+                                       geo.layer_group, geo.group_scale, geo.layer_koff, out=out,
+                                       null_slots=null_slots, pad_to=pad_to)
 
 
-def expected_tables(mgr, table_at_prepare: np.ndarray, step) -> np.ndarray:
+def null_slots(mgr) -> Optional[Tuple[int, ...]]:
+    """Each group's null slot (DESIGN.md section 10; CacheSpec(null_slot=True)), None without: the group's
+    last slot. The slot counts are the spec's slots_per_group; only a spec sized by memory_bytes takes
+    them from the manager's layout (that split is sizing, not the contract)."""
+    spec = mgr.spec
+    if not spec.null_slot:
+        return None
+    counts = spec.slots_per_group
+    if counts is None:
+        counts = mgr.layout.slots_per_group
+    elif np.isscalar(counts):
+        counts = [counts] * len(Geometry(spec).groups)
+    return tuple(int(n) - 1 for n in counts)
+
+
+def expected_tables(mgr, table_at_prepare: np.ndarray, step, *, null_slot: Optional[bool] = None) -> np.ndarray:
     """The reference tables of `step`'s rows [planes, num_seqs, 2, B], from the host table as it was at
-    the step's prepare."""
+    the step's prepare. null_slot: BAD cells hold the null slot's page (default: the spec's null_slot);
+    False gives the plain tables (BAD), which the write positions follow either way."""
+    use_null = mgr.spec.null_slot if null_slot is None else null_slot
     return reference_tables(mgr.spec, table_at_prepare, step.rows, step.num_contexts, step.scratch_begs,
-                            step.scratch_ends, step.scratch_slots)[:, :step.num_seqs]
+                            step.scratch_ends, step.scratch_slots,
+                            null_slots=null_slots(mgr) if use_null else None)[:, :step.num_seqs]
 
 
 def expected_write_positions(spec, tables: np.ndarray, num_tokens, start_positions,
-                             shared: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
+                             shared: Optional[bool] = None, null_slots=None) -> Tuple[np.ndarray, np.ndarray]:
     """Where each new token's K/V goes, read off a step's reference tables: pages [L, T], offsets [T].
 
     Token t of entry s at position pos goes to the K page of block pos // tpb (clamped to the row) of
-    layer l's table; SHARED tables add the layer's K offset. The offset is pos % tpb.
+    layer l's table; SHARED tables add the layer's K offset. The offset is pos % tpb. Write positions
+    never name the null slot: with null_slots (the tables were made with them), a page in group g's
+    null slot is BAD here (tables made without null slots need none).
     """
     geo = Geometry(spec)
     shared = geo.shared if shared is None else shared
@@ -161,11 +186,11 @@ def expected_write_positions(spec, tables: np.ndarray, num_tokens, start_positio
     blk = np.clip(pos // geo.tpb, 0, geo.max_blocks - 1)
     pages = np.empty((geo.num_layers, len(seq)), np.int32)
     for layer in range(geo.num_layers):
-        if shared:
-            k = tables[geo.layer_group[layer], seq, 0, blk].astype(np.int64)
-            pages[layer] = np.where(k == BAD, BAD, k + geo.layer_koff[layer])
-        else:
-            pages[layer] = tables[layer, seq, 0, blk]
+        g = int(geo.layer_group[layer])
+        k = tables[g if shared else layer, seq, 0, blk].astype(np.int64)
+        if null_slots is not None:      # page // scale is the page's slot (BAD // scale = -1: no slot)
+            k = np.where(k // geo.group_scale[g] == int(null_slots[g]), BAD, k)
+        pages[layer] = np.where(k == BAD, BAD, k + geo.layer_koff[layer]) if shared else k
     return pages, (pos % geo.tpb).astype(np.int32)
 
 

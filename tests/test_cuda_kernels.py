@@ -1,5 +1,8 @@
 """The pipeline kernels against the NumPy oracle (cupykv.reference), bit for bit.
 
+Each case runs without and with null slots (CacheSpec.null_slot: BAD table cells and padding rows hold
+the group's null page, write positions keep BAD), with random padding rows, in FULL and DELTA mode.
+
 Every test draws fresh random inputs; the seed is printed (pytest shows it for a failing test) and
 CUPYKV_TEST_SEED=<seed> replays it. The host backend's emulated kernels run everywhere; the CUDA
 kernels run where CuPy sees a GPU.
@@ -58,14 +61,19 @@ def make_layout(name: str) -> Layout:
     return Layout(CacheSpec(num_kv_heads=1, head_dim=8, slots_per_group=NUM_SLOTS, **SPECS[name]))
 
 
-def make_consts(layout: Layout, backend) -> SimpleNamespace:
-    """The constants object the manager hands to the backend kernels."""
+def make_consts(layout: Layout, backend, null_slots=None) -> SimpleNamespace:
+    """The constants object the manager hands to the backend kernels. null_slots: [P] each group's null
+    slot (BAD table cells and padding rows hold its page); default: the layout's (BAD: none)."""
+    if null_slots is None:
+        null_slots = layout.null_slots
+    group_null = np.array(null_slots if null_slots is not None else [BAD] * layout.num_groups, np.int32)
     return SimpleNamespace(
         num_groups=layout.num_groups, num_layers=layout.num_layers, rows=layout.spec.max_batch,
         max_batch=layout.spec.max_batch, max_blocks=layout.max_blocks, tokens_per_block=layout.tpb,
         layer_group=layout.layer_group, layer_koff=layout.layer_koff, group_scale=layout.group_scale,
+        group_null=group_null,
         d_layer_group=backend.upload(layout.layer_group), d_layer_koff=backend.upload(layout.layer_koff),
-        d_group_scale=backend.upload(layout.group_scale))
+        d_group_scale=backend.upload(layout.group_scale), d_group_null=backend.upload(group_null))
 
 
 def random_table(rng, shape) -> np.ndarray:
@@ -127,9 +135,15 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     cu_tokens = np.concatenate(([0], np.cumsum(tokens))).astype(np.int32)
     # positions anywhere in the row, and past its end sometimes (the kernel clamps the block)
     start_pos = rng.integers(0, (B + 2) * layout.tpb, num_seqs).astype(np.int32)
+    # padding rows [num_seqs, pad_to) of a fixed-size batch, half the time
+    pad_to = int(rng.integers(num_seqs, rows + 1)) if rng.random() < 0.5 else 0
+    # null slots anywhere in the pool's range (the kernels do not care whether a table cell holds the same
+    # slot; the manager never allocates it)
+    null_slots = rng.integers(0, NUM_SLOTS, P).astype(np.int32)
     return SimpleNamespace(old=old, new=new, cells=cells, num_seqs=num_seqs, num_contexts=num_contexts,
                            copy_idx=copy_idx, begs=begs, ends=ends, scratch=scratch, cu_tokens=cu_tokens,
-                           start_pos=start_pos, num_tokens=int(cu_tokens[-1]))
+                           start_pos=start_pos, num_tokens=int(cu_tokens[-1]), pad_to=pad_to,
+                           null_slots=null_slots)
 
 
 def pack(case, num_groups: int, mode: int = MODE_FULL, epoch: int = 42, deltas: bool = True) -> np.ndarray:
@@ -141,7 +155,7 @@ def pack(case, num_groups: int, mode: int = MODE_FULL, epoch: int = 42, deltas: 
                            len(values))
     snap = np.full(words + 7, -7, np.int32)              # slack past the end must not matter
     assert pack_snapshot(snap, 7, case.copy_idx, case.begs, case.ends, case.scratch, cells, values,
-                         case.cu_tokens, case.start_pos, mode=mode, epoch=epoch) == words
+                         case.cu_tokens, case.start_pos, mode=mode, pad_to=case.pad_to, epoch=epoch) == words
     return snap
 
 
@@ -174,10 +188,12 @@ def cases(rng, spec_name: str, scenario: str):
 class StepBuffers:
     """The device buffers of one step kernel run, pre-filled with SENTINEL, on either backend."""
 
-    def __init__(self, backend, layout: Layout, case, table: np.ndarray, shared: bool, capacity: int):
+    def __init__(self, backend, layout: Layout, case, table: np.ndarray, shared: bool, capacity: int,
+                 null: bool = False):
         L, P, N, B = layout.num_layers, layout.num_groups, layout.spec.max_batch, layout.max_blocks
         self.backend, self.layout, self.shared = backend, layout, shared
-        self.consts = make_consts(layout, backend)
+        self.null_slots = case.null_slots if null else None
+        self.consts = make_consts(layout, backend, self.null_slots)
         self.mirror = backend.upload(table)
         self.out = backend.device_full((P if shared else L, N, 2, B), SENTINEL)
         self.row_entry = backend.device_full((N, 2), -1)
@@ -199,12 +215,20 @@ class StepBuffers:
     def check(self, case, table: np.ndarray, what: str) -> None:
         """Tables, padding rows, positions and untouched slack against the reference for `table`."""
         be, lay = self.backend, self.layout
-        want = reference_tables(lay.spec, table, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch,
-                                shared=self.shared, fill=SENTINEL)
+        args = (lay.spec, table, case.copy_idx, case.num_contexts, case.begs, case.ends, case.scratch)
+        want = reference_tables(*args, shared=self.shared, fill=SENTINEL, null_slots=self.null_slots,
+                                pad_to=case.pad_to)
         out = be.to_numpy(self.out)
         assert_same(out, want, f"{what} tables", case)
-        assert (out[:, case.num_seqs:] == SENTINEL).all(), f"{what}: rows >= num_seqs were written"
-        want_pages, want_off = expected_write_positions(lay.spec, want, np.diff(case.cu_tokens), case.start_pos,
+        live = max(case.num_seqs, case.pad_to)
+        assert (out[:, live:] == SENTINEL).all(), f"{what}: rows >= max(num_seqs, pad_to) were written"
+        if self.null_slots is not None:     # the null page is in every BAD cell: no -1 left in the live rows
+            plain = reference_tables(*args, shared=self.shared, pad_to=case.pad_to)[:, :live]
+            assert not (out[:, :live] == BAD).any(), f"{what}: a BAD cell still holds -1 with null slots"
+            assert np.array_equal(out[:, :live] != plain, plain == BAD), f"{what}: a cell other than BAD changed"
+        # Write positions follow the plain tables (BAD stays BAD with null slots too).
+        plain = reference_tables(*args, shared=self.shared, fill=SENTINEL)
+        want_pages, want_off = expected_write_positions(lay.spec, plain, np.diff(case.cu_tokens), case.start_pos,
                                                         shared=self.shared)
         t = case.num_tokens
         pages, offsets = be.to_numpy(self.pages), be.to_numpy(self.offsets)
@@ -213,13 +237,14 @@ class StepBuffers:
         assert (pages[:, t:] == SENTINEL).all() and (offsets[t:] == SENTINEL).all(), f"{what}: tokens past the step"
 
 
-def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None)):
-    """FULL steps (per-layer and shared) and, for batches without contexts, a DELTA step after a FULL one."""
+def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None), null: bool = False):
+    """FULL steps (per-layer and shared) and, for batches without contexts, a DELTA step after a FULL one;
+    null: with the case's null slots."""
     for layout, case in cases(rng, spec_name, scenario):
         P = layout.num_groups
         capacity = case.num_tokens + 5
         for shared in (False, True):
-            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
             snap = pack(case, P)
             bufs.run(snap, MODE_FULL, hint_fn(case))
             assert np.array_equal(backend.to_numpy(bufs.mirror), apply_runs(case.old, snap, P))
@@ -230,14 +255,14 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
             if case.num_contexts:
                 continue
             # DELTA: the output holds the old table's FULL tables (epoch 42); the deltas bring it to the new one.
-            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
             bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
             bufs.check(case, case.old, f"{backend.name} FULL (before DELTA) shared={shared}")
             bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case))
             bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
             # A DELTA step of another epoch does not find its rows in the map and writes no table cell.
             if len(case.cells):
-                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity)
+                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
                 bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
                 before = backend.to_numpy(bufs.out)
                 bufs.run(pack(case, P, mode=MODE_DELTA, epoch=43), MODE_DELTA, hint_fn(case))
@@ -245,10 +270,11 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
 
 
 # -- host backend (runs everywhere) -------------------------------------------------------------------
+@pytest.mark.parametrize("null", [False, True], ids=["bad", "null_slot"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_host_kernels_match_reference(rng, spec_name, scenario):
-    check_backend(HostBackend(), rng, spec_name, scenario)
+def test_host_kernels_match_reference(rng, spec_name, scenario, null):
+    check_backend(HostBackend(), rng, spec_name, scenario, null=null)
 
 
 def test_deltas_cover_every_change(rng):
@@ -279,16 +305,18 @@ def cuda_backend():
 
 # grid-size hints (entries, values, tokens): none (grids sized for capacity, as in a graph), exact, and
 # too small (the kernels must grid-stride)
-HINTS = {"none": lambda c: (None, None, None), "exact": lambda c: (c.num_seqs, len(c.cells), c.num_tokens),
+HINTS = {"none": lambda c: (None, None, None),
+         "exact": lambda c: (max(c.num_seqs, c.pad_to), len(c.cells), c.num_tokens),
          "small": lambda c: (1, 1, 1)}
 
 
 @requires_gpu
+@pytest.mark.parametrize("null", [False, True], ids=["bad", "null_slot"])
 @pytest.mark.parametrize("hints", sorted(HINTS))
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints):
-    check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints])
+def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints, null):
+    check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null)
 
 
 @requires_gpu

@@ -1,7 +1,8 @@
 """cupykv.interop: CSR views, the missing-torch error, and torch handoff through DLPack.
 
 - CSR views (group and layer level, fresh and fixed-capacity buffers) against an independent compaction
-  of the reference tables (cupykv.reference, from the host table at prepare). Host backend in CI.
+  of the reference tables (cupykv.reference, from the host table at prepare). Host backend in CI. With
+  CacheSpec(null_slot=True) too: the lists are the plain tables' (real pages only, no null page).
 - Without torch, interop raises InteropUnavailableError naming the package. In CI.
 - With torch on the host backend: CPU tensors share the numpy buffers.
 - GPU: zero-copy round trips (int32 tables, bfloat16 pages), keep-alive, and stream ordering proven with
@@ -42,8 +43,9 @@ def torch_cuda_or_skip():
 
 
 def reference_csr(mgr, table, step, plane, koff, rows_from="layer"):
-    """Independent CSR: per batch entry the non-BAD K entries of the reference row, in block order."""
-    ref = expected_tables(mgr, table, step)
+    """Independent CSR: per batch entry the non-BAD K entries of the reference row, in block order. The
+    plain tables (BAD, no null slot): with null_slot=True the lists are the same, real pages only."""
+    ref = expected_tables(mgr, table, step, null_slot=False)
     indptr, indices = [0], []
     for s in range(step.num_seqs):
         row = ref[plane, s, 0].astype(np.int64)
@@ -73,10 +75,11 @@ def check_csr(mgr, csr, table, step, plane, koff):
         assert want_idx[want_ptr[s + 1] - 1] == ref[plane, s, 0, last_block] + koff
 
 
+@pytest.mark.parametrize("null_slot", [False, True], ids=["bad", "null_slot"])
 @pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("mode", ["per_layer_scratch", "per_layer_sinks", "shared"])
-def test_csr_views_against_reference(backend_name, mode, fixed):
-    mgr = make_mgr(backend_name, mode)
+def test_csr_views_against_reference(backend_name, mode, fixed, null_slot):
+    mgr = make_mgr(backend_name, mode, null_slot=null_slot)
     lay = mgr.layout
     shared = mgr.spec.table_mode == "shared"
     buffers = CsrBuffers(mgr) if fixed else None

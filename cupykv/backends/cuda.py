@@ -366,11 +366,12 @@ class CudaBackend:
         """The step's tables and write positions, in one launch after apply_deltas (see cupykv_build_step).
 
         out: PER_LAYER [L, max_batch, 2, B] or SHARED [P, max_batch, 2, B]; FULL mode rewrites rows
-        [0, num_seqs) and writes BAD to the padding rows [num_seqs, pad_to), DELTA mode only the changed
-        cells (the header decides). row_entry [rows, 2]: which batch entry each row of the last FULL
-        step's batch was. pages [L, capacity] / offsets [capacity]: where each new token's K/V goes.
-        mode and the counts only size the grid; the kernel reads the truth from the snapshot, so a stale
-        hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
+        [0, num_seqs) and writes the padding rows [num_seqs, pad_to) as BAD cells, DELTA mode only the
+        changed cells (the header decides). A BAD cell holds BAD, or the null slot's page where
+        consts.d_group_null names one for the group (write positions keep BAD either way). row_entry
+        [rows, 2]: which batch entry each row of the last FULL step's batch was. pages [L, capacity] /
+        offsets [capacity]: where each new token's K/V goes. mode and the counts only size the grid; the
+        kernel reads the truth from the snapshot, so a stale hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
         """
         planes, fixed = self._memo("build_step", (snap, mirror, out, row_entry, pages, offsets, consts, shared),
                                    lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
@@ -392,6 +393,10 @@ class CudaBackend:
         _require_device(row_entry, "row_entry", align=8)
         _require_device(pages, "pages")
         _require_device(offsets, "offsets")
+        _require_device(consts.d_group_null, "consts.d_group_null")
+        if consts.d_group_null.shape != (consts.num_groups,):
+            raise ValueError(f"build_step: consts.d_group_null has shape {consts.d_group_null.shape}, expected "
+                             f"({consts.num_groups},) (each group's null slot, or BAD)")
         planes = consts.num_groups if shared else consts.num_layers
         if out.shape != (planes, max_batch, 2, B):
             raise ValueError(f"build_step: out has shape {out.shape}, expected {(planes, max_batch, 2, B)}")
@@ -404,7 +409,7 @@ class CudaBackend:
         if tpb <= 0 or tpb & (tpb - 1):
             raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
         fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
-                 consts.d_group_scale, np.int32(consts.num_layers), np.int32(consts.num_groups),
+                 consts.d_group_scale, consts.d_group_null, np.int32(consts.num_layers), np.int32(consts.num_groups),
                  np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
                  np.int32(1 if shared else 0))
         return planes, fixed
@@ -466,7 +471,7 @@ class CudaBackend:
         # several managers), and the graph keeps its buffers alive. A DELTA graph's grid does not depend on
         # the batch size (step_grid), so one serves every batch bucket.
         buffers = (slot.host, slot.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
-                   consts.d_layer_koff, consts.d_group_scale)
+                   consts.d_layer_koff, consts.d_group_scale, consts.d_group_null)
         addresses = self._memo("graph", buffers, lambda: tuple(_address(b) for b in buffers))
         seqs = 0 if int(mode) == MODE_DELTA else int(seqs_bucket)
         key = (addresses, slot.capacity, int(mode), seqs, int(tokens_bucket), int(copy_words), bool(shared))

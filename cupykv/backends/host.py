@@ -220,13 +220,25 @@ class HostBackend:
 
 
 
-# -- the step kernel's parts, emulated (cupykv_build_step in pipeline.cu) -------------------------------
+# -- the step kernel's parts, emulated (cupykv_build_step in kernels/step.cu) -------------------------------
 
 
-def _entries(base, blocks, beg, end, slots, scale: int, off: int):
-    """per_layer_entry of pipeline.cu, vectorized (arrays broadcast; slots [..., M] or None for no scratch):
-    blocks in [beg, end) map onto the context's scratch slots, the rest onto their own slot, BAD stays BAD."""
-    vals = np.where(base == BAD, BAD, base * scale + off)
+def _group_null(consts, p: int) -> int:
+    """Group p's null slot (consts.group_null[p]; BAD when the spec has none)."""
+    return int(consts.group_null[p])
+
+
+def _table_entries(base, null, scale, off: int):
+    """table_entry of step.cu: base * scale + off; a BAD base takes the null slot (BAD for none)."""
+    base = np.where(base == BAD, null, base)
+    return np.where(base == BAD, BAD, base * scale + off)
+
+
+def _entries(base, blocks, beg, end, slots, scale: int, off: int, null: int = BAD):
+    """per_layer_entry of step.cu, vectorized (arrays broadcast; slots [..., M] or None for no scratch):
+    blocks in [beg, end) map onto the context's scratch slots, the rest onto their own slot; a BAD base
+    gives the null slot's page (null = BAD: BAD, as for the write positions)."""
+    vals = _table_entries(base, null, scale, off)
     inside = (blocks >= beg) & (blocks < end)
     if inside.any():
         t = np.where(inside, (blocks - beg) * 2, 0)
@@ -250,13 +262,20 @@ def _context_scratch(s: dict, p: int, n: int):
 def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
     max_batch, rows = out.shape[1], mirror.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
-    out[:, n:max(n, min(s["pad_to"], max_batch))] = BAD           # padding rows of a fixed batch
+    pad = slice(n, max(n, min(s["pad_to"], max_batch)))            # padding rows of a fixed batch: as BAD cells
+    for plane in range(out.shape[0]) if pad.stop > n else ():
+        p = plane if shared else int(consts.layer_group[plane])
+        off = 0 if shared else int(consts.layer_koff[plane])
+        for r in (0, 1):
+            out[plane, pad, r] = _table_entries(np.int64(BAD), _group_null(consts, p), int(consts.group_scale[p]),
+                                                off + r)
     batch_rows = np.clip(s["copy_idx"][:n], 0, rows - 1)
     row_entry[batch_rows] = np.stack([np.full(n, s["epoch"]), np.arange(n)], axis=1)
     base = mirror[:, batch_rows, :].astype(np.int64)                 # [P, n, B]
     if shared:
+        scale = consts.group_scale[:, None, None].astype(np.int64)
         for r in (0, 1):
-            out[:, :n, r, :] = np.where(base == BAD, BAD, base * consts.group_scale[:, None, None] + r)
+            out[:, :n, r, :] = _table_entries(base, consts.group_null[:, None, None], scale, r)
         return
     blocks = np.arange(base.shape[2])[None, :]
     scratch = [_context_scratch(s, p, n) for p in range(consts.num_groups)]
@@ -265,7 +284,8 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
         beg, end, slots = scratch[p]
         for r in (0, 1):
             out[layer, :n, r, :] = _entries(base[p], blocks, beg[:, None], end[:, None], slots,
-                                            int(consts.group_scale[p]), int(consts.layer_koff[layer]) + r)
+                                            int(consts.group_scale[p]), int(consts.layer_koff[layer]) + r,
+                                            _group_null(consts, p))
 
 
 def _delta_cells(s: dict) -> np.ndarray:
@@ -286,18 +306,19 @@ def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
         epoch, k = row_entry[row]
         if epoch != s["epoch"] or not 0 <= k < n:
             continue
-        scale = int(consts.group_scale[p])
+        scale, null = int(consts.group_scale[p]), _group_null(consts, p)
         planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
                                            if consts.layer_group[l] == p]
         for plane, off in planes:
             for r in (0, 1):
-                out[plane, k, r, b] = BAD if base == BAD else base * scale + off + r
+                out[plane, k, r, b] = _table_entries(np.int64(base), null, scale, off + r)
 
 
 def _write_positions(s: dict, mirror, pages, offsets, consts, shared: bool) -> None:
     """pages[l, t]: K page index of new token t for layer l (V = K + 1); offsets[t]: its place in the page.
-    Same rules as the tables, from the mirror; clamped like the kernel, so a corrupt snapshot (unsafe
-    staging) gives garbage, not a crash."""
+    Same rules as the tables, from the mirror, except that a BAD base stays BAD with a null slot too (no
+    write targets it); clamped like the kernel, so a corrupt snapshot (unsafe staging) gives garbage, not
+    a crash."""
     rows, B = mirror.shape[1], mirror.shape[2]
     n = max(0, min(s["num_seqs"], consts.max_batch))
     cu = s["cu_tokens"][:n + 1]

@@ -64,11 +64,21 @@ __device__ __forceinline__ int slot_entry(int base, int scale, int offset)
     return base == BAD ? BAD : page_index(base, scale, offset);
 }
 
+// An output table cell: slot_entry, except that a BAD base takes the group's null slot (CacheSpec.null_slot;
+// group_null[p], BAD when the spec has none), so tile-based consumers that load a whole tile read a
+// zero-filled page instead of page -1. Write positions keep BAD (write_positions passes null = BAD), so no
+// write ever targets the null slot.
+__device__ __forceinline__ int table_entry(int base, int null, int scale, int offset)
+{
+    return slot_entry(base == BAD ? null : base, scale, offset);
+}
+
 // Page index of block b for one layer and role (the conversion contract, docs/design.md). Blocks outside
-// [beg, end) use the base slot; callers pass an empty range for generation entries, so only contexts take
-// the scratch path. slots is null when the step has no scratch columns; slot 0 is then used, as the host
-// emulation does, rather than reading whatever section follows in the snapshot.
-__device__ __forceinline__ int per_layer_entry(int base, int b, int beg, int end, const int* slots,
+// [beg, end) use the base slot (a BAD base: the null slot, BAD for none); callers pass an empty range for
+// generation entries, so only contexts take the scratch path. slots is null when the step has no scratch
+// columns; slot 0 is then used, as the host emulation does, rather than reading whatever section follows
+// in the snapshot.
+__device__ __forceinline__ int per_layer_entry(int base, int null, int b, int beg, int end, const int* slots,
                                                int scale, int offset)
 {
     if (beg <= b && b < end) {
@@ -78,7 +88,7 @@ __device__ __forceinline__ int per_layer_entry(int base, int b, int beg, int end
         const int slot = slots ? slots[t / scale] : 0;
         return page_index(slot, scale, (t % scale + offset) % scale);
     }
-    return slot_entry(base, scale, offset);
+    return table_entry(base, null, scale, offset);
 }
 
 // What one step kernel needs, read once from the launch arguments and the snapshot header.
@@ -92,6 +102,7 @@ struct StepArgs {
     const int* layer_group;
     const int* layer_koff;
     const int* group_scale;
+    const int* group_null;    // [P]: each group's null slot, or BAD (CacheSpec.null_slot off)
     int num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared;
 };
 
@@ -126,7 +137,7 @@ struct Item {
     int* dst = nullptr;      // the K quad; V is B words further; null: past the end of the work
     int4 base;
     int s = 0, p = 0, plane = 0, b0 = 0;
-    bool pad = false;        // a padding row: BAD
+    bool pad = false;        // a padding row: the null page (BAD without a null slot)
 };
 
 template <typename Index>
@@ -141,6 +152,7 @@ __device__ __forceinline__ Item load_item(const StepArgs& a, Index k, Index tota
     it.s = static_cast<int>(q / quads);
     it.b0 = static_cast<int>(q - static_cast<Index>(it.s) * quads) * 4;
     it.dst = a.out + ((static_cast<long long>(it.plane) * a.max_batch + it.s) * 2) * a.B + it.b0;
+    it.p = a.shared ? it.plane : a.layer_group[it.plane];
     if (it.s >= num_seqs) {
         it.pad = true;
         return it;
@@ -148,7 +160,6 @@ __device__ __forceinline__ Item load_item(const StepArgs& a, Index k, Index tota
     const int row = clamp_row(copy_idx[it.s], a.rows);
     if (it.plane == 0 && it.b0 == 0)
         a.row_entry[row] = make_int2(epoch, it.s);
-    it.p = a.shared ? it.plane : a.layer_group[it.plane];
     it.base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(it.p) * a.rows + row) * a.B + it.b0);
     return it;
 }
@@ -158,39 +169,42 @@ __device__ __forceinline__ void store_item(const StepArgs& a, const Item& it)
     if (it.dst == nullptr)
         return;
     int4 kq, vq;
-    if (it.pad) {            // a padding row of a fixed-size consumer batch
-        kq = vq = make_int4(BAD, BAD, BAD, BAD);
+    const int scale = a.group_scale[it.p];
+    const int null = a.group_null[it.p];
+    const int off = a.shared ? 0 : a.layer_koff[it.plane];
+    if (it.pad) {            // a padding row of a fixed-size consumer batch: every cell as for a BAD base
+        const int k = table_entry(BAD, null, scale, off), v = table_entry(BAD, null, scale, off + 1);
+        kq = make_int4(k, k, k, k);
+        vq = make_int4(v, v, v, v);
     } else if (a.shared) {   // K = base * scale, V = K + 1; the consumer adds the layer's offset
-        const int scale = a.group_scale[it.p];
         const int4 base = it.base;
-        kq = make_int4(slot_entry(base.x, scale, 0), slot_entry(base.y, scale, 0), slot_entry(base.z, scale, 0),
-                       slot_entry(base.w, scale, 0));
-        vq = make_int4(slot_entry(base.x, scale, 1), slot_entry(base.y, scale, 1), slot_entry(base.z, scale, 1),
-                       slot_entry(base.w, scale, 1));
+        kq = make_int4(table_entry(base.x, null, scale, 0), table_entry(base.y, null, scale, 0),
+                       table_entry(base.z, null, scale, 0), table_entry(base.w, null, scale, 0));
+        vq = make_int4(table_entry(base.x, null, scale, 1), table_entry(base.y, null, scale, 1),
+                       table_entry(base.z, null, scale, 1), table_entry(base.w, null, scale, 1));
     } else {
-        const int scale = a.group_scale[it.p];
         const int4 base = it.base;
         const int b0 = it.b0;
         const Scratch sc = scratch_of(a.snap, it.p, it.s);
-        const int off = a.layer_koff[it.plane];
-        kq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
-        vq = make_int4(per_layer_entry(base.x, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.y, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.z, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.w, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
+        kq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
+                       per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
+        vq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
+                       per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
     }
     *reinterpret_cast<int4*>(it.dst) = kq;
     *reinterpret_cast<int4*>(it.dst + a.B) = vq;
 }
 
-// FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and BAD for the
-// padding rows [num_seqs, pad_to). Work items are (plane, entry, quad of 4 blocks) in output order, so
-// consecutive threads write consecutive 16-byte words: the write pattern of a memset. Each item is one
-// 16-byte mirror load (L2-resident: the mirror is small next to the output) and two 16-byte stores; a thread
-// loads two items before it stores either, so two load chains are in flight while the stores drain.
+// FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and the null page
+// (BAD without a null slot) for the padding rows [num_seqs, pad_to). Work items are (plane, entry, quad of 4
+// blocks) in output order, so consecutive threads write consecutive 16-byte words: the write pattern of a
+// memset. Each item is one 16-byte mirror load (L2-resident: the mirror is small next to the output) and two
+// 16-byte stores; a thread loads two items before it stores either, so two load chains are in flight while the
+// stores drain.
 // Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
 // Index is int when the item count fits (64-bit division costs several times more), else long long.
 template <typename Index>
@@ -242,14 +256,15 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
         const int s = e.y;
         const int base = values[i];
         const int scale = a.group_scale[p];
+        const int null = a.group_null[p];
         for (int l = 0; l < (a.shared ? 1 : a.num_layers); ++l) {
             if (!a.shared && a.layer_group[l] != p)
                 continue;
             const int plane = a.shared ? p : l;
             const int off = a.shared ? 0 : a.layer_koff[l];
             int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b;
-            dst[0] = slot_entry(base, scale, off);
-            dst[a.B] = slot_entry(base, scale, off + 1);
+            dst[0] = table_entry(base, null, scale, off);
+            dst[a.B] = table_entry(base, null, scale, off + 1);
         }
     }
 }
@@ -257,7 +272,8 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 // Where each new token of the step goes: pages[l, t] = the K page index of new token t for layer l (V = K + 1),
 // offsets[t] = its position inside the page. Computed from the mirror with the same rules as the tables
 // (scratch blocks of contexts land on their scratch pages; shared tables get the layer's K offset added), so
-// it does not wait for the table writes. t runs over the step's new tokens in batch order: entry s owns
+// it does not wait for the table writes; a BAD base stays BAD here, null slot or not (storage skips and counts
+// such a token), so no write ever targets the null slot. t runs over the step's new tokens in batch order: entry s owns
 // [cu_tokens[s], cu_tokens[s+1]) and its first new token is at sequence position start_pos[s]. Everything is
 // clamped, so a corrupt snapshot (unsafe staging) writes garbage inside the buffers, never outside them.
 __device__ void write_positions(const StepArgs& a, int block, int nblocks)
@@ -303,7 +319,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks)
                 page = slot_entry(base, scale, off);
             } else {
                 const Scratch sc = scratch_of(snap, p, s);
-                page = per_layer_entry(base, block_of, sc.beg, sc.end, sc.slots, scale, off);
+                page = per_layer_entry(base, BAD, block_of, sc.beg, sc.end, sc.slots, scale, off);
             }
             a.pages[static_cast<long long>(l) * a.capacity + t] = page;
         }
@@ -318,11 +334,11 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
                   int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
                   const int* __restrict__ layer_group, const int* __restrict__ layer_koff,
-                  const int* __restrict__ group_scale, int num_layers, int num_groups, int rows, int max_batch,
-                  int B, int capacity, int tpb, int shared, int table_blocks)
+                  const int* __restrict__ group_scale, const int* __restrict__ group_null, int num_layers,
+                  int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int table_blocks)
 {
     const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
-                     num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+                     group_null, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
     const int block = static_cast<int>(blockIdx.x);
     if (block < table_blocks) {
         if (snap[H_MODE] == MODE_DELTA) {
