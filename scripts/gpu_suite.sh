@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
-# [breakdown] [segments] [examples] [bench] [profile]
+# [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [profile]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -17,11 +17,12 @@ for part in $parts; do
       run pytest_gpu timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py \
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
           tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py ;;
-    sanitize)   # the step kernels (exact grids), the race tests and graph capture, each tool over all of them
+    sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-        run "sanitizer_$tool" timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-            python3 -m pytest tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py -q \
-            -p no:cacheprovider -k "(cuda and exact) or (cuda and not kernels_match) or graph"
+        run "sanitizer_$tool" timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            python3 -m pytest tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py \
+            tests/test_prefix_races.py tests/test_host_tier.py tests/test_cache_host_tier.py -q -p no:cacheprovider \
+            -k "((cuda and exact) or (cuda and not kernels_match) or graph) and not fresh_process and not stateful"
       done ;;
     breakdown)   # per-kernel device time under Nsight Compute, three shapes, into one log
       for cfg in "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs" "gpt-oss-20b 32768 1" \
@@ -48,6 +49,12 @@ for part in $parts; do
     bench)   # bench.md and bench.json come back; the plot is made from bench.json where matplotlib is
       run bench timeout ${BENCH_TIMEOUT:-300} python3 -m cupykv.bench --out /tmp/bench_out --no-plot ${BENCH_ARGS:-}
       cp /tmp/bench_out/bench.md /tmp/bench_out/bench.json "$OUT"/ 2>/dev/null ;;
+    bench-prefix)   # the multi-turn prefix-caching trace, add() of a long prompt, decode with caching on/off
+      run bench_prefix timeout 300 python3 -m cupykv.bench prefix --out /tmp/bench_prefix
+      cat /tmp/bench_prefix/*.md > "$OUT/bench_prefix.md" 2>/dev/null ;;
+    bench-host-tier)   # suspend/resume bandwidth against the pinned copy bandwidth
+      run bench_host_tier timeout 300 python3 -m cupykv.bench host-tier --out /tmp/bench_host_tier
+      cat /tmp/bench_host_tier/*.md > "$OUT/bench_host_tier.md" 2>/dev/null ;;
     profile) run host_calls timeout 60 python3 scripts/host_calls.py 256 ;;
   esac
 done
