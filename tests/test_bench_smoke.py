@@ -175,3 +175,154 @@ def test_peer_write_lists_rebuild_the_shared_tables():
             m.settle(st)
     assert writes_seen > 0
     wl.close()
+
+
+# -- `python -m cupykv.bench prefix` and `python -m cupykv.bench host-tier` on the host backend -------------
+from cupykv.bench.__main__ import parse_host_tier_args, parse_prefix_args   # noqa: E402
+from cupykv.bench.host_tier_bench import run_host_tier                      # noqa: E402
+from cupykv.bench.prefix_trace import (DECODE_VARIANTS, POLICIES, SMOKE_PATTERNS, make_trace,   # noqa: E402
+                                       run_prefix, run_trace)
+
+
+def _prefix_result(tmp_path, extra=()):
+    rc = main(["prefix", "--smoke", "--out", str(tmp_path), *extra])
+    data = json.loads((tmp_path / "prefix.json").read_text())
+    assert (tmp_path / "prefix.md").read_text().startswith("### Prefix-caching benchmark")
+    return rc, data
+
+
+def test_prefix_smoke_rows(tmp_path, capsys):
+    rc, data = _prefix_result(tmp_path)
+    out = capsys.readouterr().out
+    assert rc == 0, data["failures"]
+    assert "targets (reported, not asserted)" in out and "cache-boundaries-scratch" in out
+    settings = data["meta"]["settings"]
+    assert data["meta"]["backend"] == "host" and settings["smoke"]
+    trace = make_trace(parse_prefix_args(["--smoke"]).trace)
+    # every (pattern, tpb, policy) of the trace, each consistent with stats()
+    want = {(p, t, pol.name) for p in settings["patterns"] for t in settings["tpbs"] for pol in POLICIES}
+    got = {(r["pattern"], r["tpb"], r["policy"]): r for r in data["trace"]}
+    assert set(got) == want and len(data["trace"]) == len(want)
+    for key, r in got.items():
+        assert r["error"] is None, (key, r["error"])
+        assert r["prompt_tokens"] == trace.prompt_tokens and r["requests"] == trace.requests
+        assert r["computed_tokens"] + r["hit_tokens"] == r["prompt_tokens"], key
+        assert r["consistent"] is True
+        if r["caching"]:
+            assert r["hit_tokens"] == r["stats_hit_tokens"] > 0, key       # shared system prompts hit
+            assert r["stats_query_tokens"] == r["prompt_tokens"] and r["stats_queries"] == r["requests"]
+        else:
+            assert r["hit_tokens"] == r["stats_hit_tokens"] == 0 and r["computed_tokens"] == r["prompt_tokens"]
+        assert len(r["groups"]) == 2 and r["samples"] == 2 * r["steps"]
+        for g in r["groups"]:
+            assert 0 < g["peak_in_use"] <= g["peak_held"] <= g["total"] == r["pool_slots"]
+        assert r["decode_tokens"] == sum(sum(c.gen_len) for c in trace.conversations)
+    # add(): cold, warm, warm from a list, per tpb
+    cases = {(r["tpb"], r["case"], r["tokens"]): r for r in data["add"]}
+    assert set(cases) == {(t, c, k) for t in settings["tpbs"]
+                          for c, k in (("cold", "int64 array"), ("warm", "int64 array"), ("warm", "list"))}
+    for (tpb, case, _), r in cases.items():
+        assert r["error"] is None
+        n = r["prompt_tokens"]
+        assert r["hit_tokens"] == (0 if case == "cold" else (n - 1) // tpb * tpb)
+        for k in ("add_ms", "hash_ms", "lookup_ms"):
+            assert r[k]["median"] > 0
+    # decode host time: one row per variant, all measured
+    assert [r["variant"] for r in data["decode"]] == list(DECODE_VARIANTS)
+    for r in data["decode"]:
+        assert r["error"] is None and r["n"] == settings["decode_steps"]
+        assert r["total_us"]["median"] > 0 and r["vs_off"] > 0
+    assert data["decode"][0]["vs_off"] == 1.0
+    # the targets: two per (pattern, tpb), two for decode
+    assert len(data["targets"]) == 2 * len(settings["patterns"]) * len(settings["tpbs"]) + 2
+
+
+def test_prefix_trace_with_emulated_kernels():
+    """The trace through the host backend's real step pipeline (--emulate) gives the same numbers as with
+    the kernels skipped: they are host bookkeeping."""
+    s = parse_prefix_args(["--smoke"])
+    trace = make_trace(s.trace)
+    shape = SMOKE_PATTERNS["gpt-oss"]
+    keys = ("hit_tokens", "computed_tokens", "steps", "swa_peak_in_use", "full_peak_held", "full_evictions")
+    for policy in POLICIES:
+        fast = run_trace(trace, s.trace, "gpt-oss", shape, 8, policy, "host", emulate=False)
+        full = run_trace(trace, s.trace, "gpt-oss", shape, 8, policy, "host", emulate=True)
+        assert {k: fast[k] for k in keys} == {k: full[k] for k in keys}, policy.name
+        assert full["consistent"]
+
+
+def test_prefix_parts_and_pool_pressure(tmp_path):
+    """--parts runs a subset; a small pool evicts, and the accounting still adds up."""
+    s = parse_prefix_args(["--smoke", "--parts", "trace", "--pool-frac", "0.05", "--patterns", "gemma",
+                           "--tpb", "8,16", "--conversations", "12"])
+    result = run_prefix(s)
+    assert not result["add"] and not result["decode"] and not result["failures"]
+    rows = result["trace"]
+    assert len(rows) == 2 * len(POLICIES)
+    assert all(r["full_evictions"] > 0 and r["hit_tokens"] > 0 for r in rows if r["caching"])
+    for r in rows:
+        assert r["consistent"] and r["computed_tokens"] + r["hit_tokens"] == r["prompt_tokens"]
+
+
+def test_host_tier_smoke_rows(tmp_path, capsys):
+    rc = main(["host-tier", "--smoke", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "host_tier.json").read_text())
+    assert rc == 0, data["failures"]
+    assert (tmp_path / "host_tier.md").read_text().startswith("### Host-tier benchmark")
+    assert "Copies" in out and "Overlap" in out
+    rows = {(r["case"], r["direction"]): r for r in data["copies"]}
+    want = {(c, d) for c in ("contiguous", "fragmented", "whole-sequence") for d in ("suspend", "resume")}
+    want |= {("memcpy", "D2H"), ("memcpy", "H2D")}
+    assert set(rows) == want and len(data["copies"]) == len(want)
+    for key, r in rows.items():
+        assert r["error"] is None, (key, r["error"])
+        assert r["n"] == data["meta"]["settings"]["reps"] and r["host_us"]["median"] > 0
+        assert r["device_ms"] is None and r["gbps"] is None      # no timing events on the host backend
+        assert r["bytes"] > 0 and r["copies"] >= 1
+    cont = rows[("contiguous", "suspend")]
+    assert cont["bytes"] == rows[("contiguous", "resume")]["bytes"] == rows[("memcpy", "D2H")]["bytes"]
+    assert cont["copies"] == 2                                   # one run per group
+    assert rows[("fragmented", "suspend")]["copies"] > cont["copies"]
+    assert rows[("fragmented", "suspend")]["bytes"] == cont["bytes"]
+    d = data["detail"]
+    # the sliding-window group moves only its window; a whole-sequence move copies every block
+    assert rows[("whole-sequence", "suspend")]["bytes"] == d["whole_sequence_bytes_counted"] > cont["bytes"]
+    assert [r["direction"] for r in data["overlap"]] == ["suspend", "resume"]
+    for r in data["overlap"]:
+        assert r["error"] is None and r["steps"] >= 5 and r["both_ms"] > 0
+    assert {t["config"].split(" (")[0] for t in data["targets"]} == {
+        "contiguous suspend", "contiguous resume", "fragmented suspend", "fragmented resume"}
+
+
+def test_host_tier_defaults_scale_down_on_host():
+    s = parse_host_tier_args(["--backend", "host", "--reps", "1", "--no-whole", "--frag-run", "0",
+                              "--bg-requests", "0"])
+    assert s.smoke and s.prompt < 131072 and s.reps == 1
+    result = run_host_tier(s)
+    assert not result["failures"]
+    assert {r["case"] for r in result["copies"]} == {"contiguous", "memcpy"} and result["overlap"] == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["prefix", "--tpb", "12"], "powers of two"),
+    (["prefix", "--tpb", "x"], "--tpb 'x'"),
+    (["prefix", "--patterns", "llama"], "unknown 'llama'"),
+    (["prefix", "--parts", "trace,foo"], "unknown 'foo'"),
+    (["prefix", "--parts", ","], "needs at least one"),
+    (["prefix", "--step-tokens", "8", "--in-flight", "8"], "must exceed --in-flight"),
+    (["prefix", "--chunk", "4q"], "--chunk"),
+    (["prefix", "--pool-frac", "0"], "--pool-frac"),
+    (["prefix", "--reps", "0"], "--reps 0"),
+    (["prefix", "--decode-ctx", "300"], "--decode-ctx 300"),
+    (["prefix", "--add-prompt", "16"], "--add-prompt 16"),
+    (["host-tier", "--reps", "0"], "--reps 0"),
+    (["host-tier", "--prompt", "1k2"], "--prompt"),
+    (["host-tier", "--frag-run", "-1"], "--frag-run -1"),
+    (["host-tier", "--backend", "tpu"], "--backend"),
+])
+def test_subcommands_reject_bad_input(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err

@@ -8,6 +8,14 @@ device tables, a write list per step), each with its floor.
 --smoke: a tiny shape and a few steps, on the host backend unless --backend says otherwise.
 Exit status 1 when any output differed from cupykv.reference or a configuration failed (timings are
 never judged).
+
+Subcommands (each with its own --help):
+  python -m cupykv.bench prefix --out DIR      prefix caching: a multi-turn chat trace under three policies
+                                               (hit rate, slots, evictions), add() of a 128k prompt, decode
+                                               host time with caching on vs off (prefix.json, prefix.md)
+  python -m cupykv.bench host-tier --out DIR   host tier: suspend / resume of a 128k-token GPT-OSS-120B
+                                               request against a pinned memcpy, fragmented and whole-sequence
+                                               copies, overlap with decode steps (host_tier.json, host_tier.md)
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ from typing import List, Optional
 
 from .harness import SHAPES, Settings, run
 from .report import summary_text, write_outputs
+
+SUBCOMMANDS = ("prefix", "host-tier")
 
 
 def _ints(text: str) -> List[int]:
@@ -98,9 +108,196 @@ def parse_args(argv: Optional[List[str]] = None) -> Settings:
                     plot=not a.no_plot, shared=not a.no_shared)
 
 
+def _positive(ap: argparse.ArgumentParser, flag: str, value: Optional[int], minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        ap.error(f"{flag} {value}: needs a whole number >= {minimum}")
+
+
+def _int_arg(text: str) -> int:
+    """argparse type: a whole number with an optional k suffix (x 1024)."""
+    try:
+        vals = _ints(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs one whole number")
+    return vals[0]
+
+
+def _names(ap: argparse.ArgumentParser, flag: str, text: str, choices) -> List[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        ap.error(f"{flag} {text!r}: needs at least one of {', '.join(choices)}")
+    for x in names:
+        if x not in choices:
+            ap.error(f"{flag}: unknown {x!r}; choose from {', '.join(choices)}")
+    return names
+
+
+def parse_prefix_args(argv: List[str]):
+    """PrefixSettings from `python -m cupykv.bench prefix ...`; bad input exits with status 2."""
+    from .prefix_trace import PARTS, PATTERNS, SMOKE_TRACE, PrefixSettings, TraceConfig
+    from .prefix_trace import __doc__ as doc
+    ap = argparse.ArgumentParser(prog="python -m cupykv.bench prefix", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out", help="directory for prefix.json / prefix.md (default bench_out; "
+                    "'' writes nothing)")
+    ap.add_argument("--backend", default=None, choices=("auto", "cuda", "host"),
+                    help="default: auto (the GPU when usable; host with --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and trace, few reps (CI; host backend)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default all)")
+    ap.add_argument("--patterns", default=",".join(PATTERNS), help=f"layer patterns: {', '.join(PATTERNS)}")
+    ap.add_argument("--tpb", default=None, help="tokens_per_block values, a comma list of powers of two "
+                    "(default 16,32; --smoke 8); the decode part uses 32 if listed, else the first")
+    ap.add_argument("--conversations", type=int, default=None, help="conversations in the trace (default 40)")
+    ap.add_argument("--in-flight", type=int, default=None, help="most requests at once (table rows; default 8)")
+    ap.add_argument("--chunk", type=_int_arg, default=None, help="longest prefill chunk in tokens (default 4096)")
+    ap.add_argument("--step-tokens", type=_int_arg, default=None, help="tokens per step (default 8192)")
+    ap.add_argument("--pool-frac", type=float, default=None,
+                    help="slots per group as a fraction of the trace's distinct blocks (default 0.5)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the trace and the prompts (default 0)")
+    ap.add_argument("--add-prompt", type=_int_arg, default=None, help="prompt tokens of the add() part (default 128k)")
+    ap.add_argument("--reps", type=int, default=None, help="timed add() calls per case (default 7)")
+    ap.add_argument("--decode-batch", type=int, default=None, help="decode batch (default 256)")
+    ap.add_argument("--decode-ctx", type=_int_arg, default=None, help="decode context: max_seq_len, prompts in "
+                    "[3/4 of it, it - steps) (default 32k)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="measured decode steps (default 200)")
+    ap.add_argument("--decode-warmup", type=int, default=None, help="warm-up decode steps (default 20)")
+    ap.add_argument("--emulate", action="store_true", help="host backend: run the step kernels' NumPy emulation "
+                    "too (slow; nothing here reads the tables)")
+    a = ap.parse_args(argv)
+    parts = _names(ap, "--parts", a.parts, PARTS)
+    patterns = _names(ap, "--patterns", a.patterns, list(PATTERNS))
+    try:
+        tpbs = _ints(a.tpb) if a.tpb is not None else ([8] if a.smoke else [16, 32])
+    except ValueError as exc:
+        ap.error(f"--tpb {a.tpb!r}: {exc}")
+    if not tpbs or any(t < 1 or t & (t - 1) for t in tpbs):
+        ap.error(f"--tpb {a.tpb!r}: needs powers of two")
+    for flag, v, lo in (("--conversations", a.conversations, 1), ("--in-flight", a.in_flight, 1),
+                        ("--chunk", a.chunk, 1), ("--step-tokens", a.step_tokens, 2), ("--reps", a.reps, 1),
+                        ("--decode-batch", a.decode_batch, 1), ("--decode-steps", a.decode_steps, 2),
+                        ("--decode-warmup", a.decode_warmup, 0)):
+        _positive(ap, flag, v, lo)
+    if a.pool_frac is not None and not a.pool_frac > 0:
+        ap.error(f"--pool-frac {a.pool_frac}: needs a positive fraction")
+    base = SMOKE_TRACE if a.smoke else TraceConfig()
+    trace = TraceConfig(**{**base.__dict__, "seed": a.seed, **{k: v for k, v in (
+        ("conversations", a.conversations), ("in_flight", a.in_flight), ("chunk", a.chunk),
+        ("step_tokens", a.step_tokens), ("pool_frac", a.pool_frac)) if v is not None}})
+    if trace.step_tokens <= trace.in_flight:
+        ap.error(f"--step-tokens {trace.step_tokens}: must exceed --in-flight {trace.in_flight} (decode tokens come "
+                 "first in a step)")
+    d = dict(add_prompt=512, reps=2, decode_batch=4, decode_ctx=1024, decode_steps=6, decode_warmup=2) if a.smoke \
+        else dict(add_prompt=131072, reps=7, decode_batch=256, decode_ctx=32768, decode_steps=200, decode_warmup=20)
+    pick = lambda name, v: d[name] if v is None else v   # noqa: E731
+    add_prompt, decode_ctx = pick("add_prompt", a.add_prompt), pick("decode_ctx", a.decode_ctx)
+    steps, warmup = pick("decode_steps", a.decode_steps), pick("decode_warmup", a.decode_warmup)
+    if add_prompt < 2 * max(tpbs):
+        ap.error(f"--add-prompt {add_prompt}: needs at least two blocks ({2 * max(tpbs)} tokens)")
+    if decode_ctx * 3 // 4 >= decode_ctx - steps - warmup - 2 * max(tpbs):
+        ap.error(f"--decode-ctx {decode_ctx}: leaves no room for {steps + warmup} decode steps (prompts are drawn "
+                 "from [3/4 of it, it - steps))")
+    argv_list = list(argv)
+    return PrefixSettings(patterns=patterns, tpbs=tpbs, parts=parts, trace=trace, add_prompt=add_prompt,
+                          reps=pick("reps", a.reps), decode_batch=pick("decode_batch", a.decode_batch),
+                          decode_ctx=decode_ctx, decode_steps=steps, decode_warmup=warmup,
+                          backend=a.backend or ("host" if a.smoke else "auto"), emulate=a.emulate, smoke=a.smoke,
+                          out=a.out or None, command=" ".join(["python -m cupykv.bench prefix"]
+                                                              + [shlex.quote(x) for x in argv_list]))
+
+
+def parse_host_tier_args(argv: List[str]):
+    """HostTierSettings from `python -m cupykv.bench host-tier ...`; bad input exits with status 2. On the
+    host backend (--smoke, --backend host, or auto without a GPU) the tiny sizes are the defaults."""
+    from ..backends import cuda_available
+    from .host_tier_bench import HostTierSettings, smoke_settings
+    from .host_tier_bench import __doc__ as doc
+    ap = argparse.ArgumentParser(prog="python -m cupykv.bench host-tier", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out", help="directory for host_tier.json / host_tier.md (default "
+                    "bench_out; '' writes nothing)")
+    ap.add_argument("--backend", default=None, choices=("auto", "cuda", "host"),
+                    help="default: auto (the GPU when usable; host, with the tiny sizes, otherwise or with --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny version on the host backend (CI)")
+    ap.add_argument("--prompt", type=_int_arg, default=None, help="tokens of the moved request (default 128k)")
+    ap.add_argument("--reps", type=int, default=None, help="timed round trips per case (default 5)")
+    ap.add_argument("--frag-run", type=int, default=None,
+                    help="slots per run in the fragmented case (default 1, the worst case; 0 skips it)")
+    ap.add_argument("--bg-requests", type=int, default=None,
+                    help="requests decoding during the overlap measurement (default 32; 0 skips it)")
+    ap.add_argument("--bg-ctx", type=_int_arg, default=None, help="their context in tokens (default 4096)")
+    ap.add_argument("--overlap-reps", type=int, default=None, help="repetitions of the overlap measurement (default 3)")
+    ap.add_argument("--no-whole", action="store_true", help="skip the whole-sequence (all full attention) case")
+    a = ap.parse_args(argv)
+    for flag, v, lo in (("--prompt", a.prompt, 1), ("--reps", a.reps, 1), ("--frag-run", a.frag_run, 0),
+                        ("--bg-requests", a.bg_requests, 0), ("--bg-ctx", a.bg_ctx, 1),
+                        ("--overlap-reps", a.overlap_reps, 1)):
+        _positive(ap, flag, v, lo)
+    backend = a.backend or ("host" if a.smoke else "auto")
+    tiny = a.smoke or backend == "host" or (backend == "auto" and not cuda_available())
+    base = smoke_settings() if tiny else HostTierSettings()
+    kw = {k: v for k, v in (("prompt", a.prompt), ("reps", a.reps), ("frag_run", a.frag_run),
+                            ("bg_requests", a.bg_requests), ("bg_ctx", a.bg_ctx), ("overlap_reps", a.overlap_reps))
+          if v is not None}
+    s = HostTierSettings(**{**base.__dict__, **kw})
+    if s.prompt < 2 * s.tpb:
+        ap.error(f"--prompt {s.prompt}: needs at least two blocks of {s.tpb} tokens")
+    s.whole = not a.no_whole
+    s.backend = backend
+    s.smoke = tiny
+    s.out = a.out or None
+    s.command = " ".join(["python -m cupykv.bench host-tier"] + [shlex.quote(x) for x in argv])
+    return s
+
+
+def main_prefix(argv: List[str]) -> int:
+    """`python -m cupykv.bench prefix`: run, print the tables, write prefix.json / prefix.md. Exit status 0, or
+    1 when a part failed or the trace's token accounting disagreed with stats(); 2 on bad arguments."""
+    from ..errors import BackendUnavailableError
+    from .prefix_trace import run_prefix
+    from .report import prefix_markdown, prefix_text, write_named
+    settings = parse_prefix_args(argv)
+    try:
+        result = run_prefix(settings)
+    except BackendUnavailableError as exc:
+        print(f"python -m cupykv.bench prefix: {exc}", file=sys.stderr)
+        return 2
+    print(prefix_text(result))
+    if settings.out:
+        for path in write_named(result, settings.out, "prefix", prefix_markdown(result)):
+            print(f"wrote {path}")
+    return 1 if result["failures"] else 0
+
+
+def main_host_tier(argv: List[str]) -> int:
+    """`python -m cupykv.bench host-tier`: run, print the tables, write host_tier.json / host_tier.md. Exit
+    status 0, or 1 when a case failed; 2 on bad arguments."""
+    from ..errors import BackendUnavailableError
+    from .host_tier_bench import run_host_tier
+    from .report import host_tier_markdown, host_tier_text, write_named
+    settings = parse_host_tier_args(argv)
+    try:
+        result = run_host_tier(settings)
+    except BackendUnavailableError as exc:
+        print(f"python -m cupykv.bench host-tier: {exc}", file=sys.stderr)
+        return 2
+    print(host_tier_text(result))
+    if settings.out:
+        for path in write_named(result, settings.out, "host_tier", host_tier_markdown(result)):
+            print(f"wrote {path}")
+    return 1 if result["failures"] else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the table and write the outputs; the exit status (0: every output matched
-    the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix)."""
+    the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix).
+    A first argument 'prefix' or 'host-tier' runs that benchmark instead (main_prefix, main_host_tier)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "prefix":
+        return main_prefix(args[1:])
+    if args and args[0] == "host-tier":
+        return main_host_tier(args[1:])
     settings = parse_args(argv)
     if settings.backend == "auto" and not settings.smoke:
         from ..backends import cuda_available
