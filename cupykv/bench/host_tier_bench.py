@@ -34,6 +34,7 @@ times and bandwidths are None), so that a smoke test exercises every row.
 from __future__ import annotations
 
 import datetime
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ def _round_trips(rig: _Rig, rid, reps: int, clock: _Clock) -> Dict[str, Dict[str
     mgr, st, tier = rig.mgr, rig.storage, rig.tier
     out = {d: dict(host_us=[], device_ms=[], bytes=[], copies=[]) for d in ("suspend", "resume")}
     for r in range(reps + 1):
+        gc.collect()             # untimed: no collection of the set-up's garbage inside a timed call
         mgr.synchronize()
         dev = [s for _, s in mgr.resident_blocks(rid)]
         b0 = tier.bytes_to_host
