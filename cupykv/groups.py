@@ -10,6 +10,7 @@ same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Tuple
 
 import numpy as np
@@ -49,12 +50,12 @@ class LayerGroup:
     def is_swa(self) -> bool:
         return self.window is not None
 
-    @property
+    @cached_property
     def sink_blocks(self) -> int:
         """Blocks at the start of a sequence that never go stale (ceil(sink_tokens / tpb))."""
         return cdiv(self.sink_tokens, self.tokens_per_block)
 
-    @property
+    @cached_property
     def _shift(self) -> int:
         return self.tokens_per_block.bit_length() - 1     # tokens_per_block is a power of two
 

@@ -372,7 +372,7 @@ class KVCacheManager:
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
         for c, (rid, row, per_group) in enumerate(zip(plan.ctx_ids, plan.ctx_rows, plan.ctx_blocks)):
             if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
-                self.cache.seqs[row].boundaries.append(int(self.requests.cap[row]) + plan.ctx_tokens[c])
+                self.cache.add_boundary(row, int(self.requests.cap[row]) + plan.ctx_tokens[c])
             held = []
             for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
                 pool = self.pools[g.index]

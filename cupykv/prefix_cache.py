@@ -51,6 +51,7 @@ class CachedSeq:
     hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
     published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
     margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
+    ranges: Dict = field(default_factory=dict)    # group -> (lo, hi) arrays of the retained ranges
 
 
 class PrefixCache:
@@ -249,7 +250,8 @@ class PrefixCache:
         old = seq.margin[g.index]
         if old is not None and not self._keeps(seq, g, np.array([old[0]]))[0]:
             b, slot = old                     # still the same block's slot (not evicted and reused since)?
-            if self.hash_of[g.index].get(slot) == seq.hashes[b] and self.pools[g.index].refs[slot] == 0:
+            if (b < len(seq.hashes) and self.hash_of[g.index].get(slot) == seq.hashes[b]
+                    and self.pools[g.index].refs[slot] == 0):
                 drop.append(slot)
         if slots[-1] != BAD:
             seq.margin[g.index] = (int(blocks[-1]), int(slots[-1]))
@@ -257,9 +259,18 @@ class PrefixCache:
 
     def _keeps(self, seq: CachedSeq, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
         keep = blocks < seq.hit_blocks             # a hit's blocks: another request's boundaries kept them
-        for lo, hi in self._retained(g, seq.boundaries):
-            keep |= (blocks >= lo) & (blocks < hi)
-        return keep
+        ranges = seq.ranges.get(g.index)
+        if ranges is None:
+            lo, hi = zip(*self._retained(g, seq.boundaries))
+            ranges = seq.ranges[g.index] = (np.array(lo, np.int64)[:, None], np.array(hi, np.int64)[:, None])
+        lo, hi = ranges
+        return keep | ((blocks >= lo) & (blocks < hi)).any(axis=0)
+
+    def add_boundary(self, row: int, pos: int) -> None:
+        """A position whose window stays cached (a context chunk's end)."""
+        seq = self.seqs[row]
+        seq.boundaries.append(pos)
+        seq.ranges.clear()
 
     def _retained(self, g: LayerGroup, boundaries: Sequence[int]) -> List[Tuple[int, int]]:
         """Block ranges a hit at each boundary needs (its window and sinks are the group's rules), plus
