@@ -110,3 +110,35 @@ def test_generated_constants_describe_a_valid_header():
     assert parsed["MODE_FULL"] != parsed["MODE_DELTA"]
     assert parsed["BAD"] == layout.BAD
 
+
+
+def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
+    """The arguments CudaBackend passes to cupykv_build_step (its buffers and the per-manager device constants,
+    the null slots included, then the int32 scalars and the table block count) line up one for one with the
+    kernel's parameters: pointers where the kernel takes pointers, 32-bit ints where it takes ints. A
+    mismatch would only show on a GPU, as garbage."""
+    import types
+    import numpy as np
+    from cupykv.backends import cuda
+    from cupykv.layout import Layout
+    from cupykv.pipeline import KernelConsts
+    from cupykv.spec import CacheSpec
+
+    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
+    assert ok, ptx
+    params = re.search(r"\.entry\s+cupykv_build_step\s*\(([^)]*)\)", ptx).group(1)
+    kinds = re.findall(r"\.param\s+\.(\w+)", params)
+    lay = Layout(CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16, max_seq_len=200,
+                           max_batch=3, slots_per_group=10, null_slot=True))
+    monkeypatch.setattr(cuda, "_require_device", lambda *a, **k: None)      # numpy stand-ins for device arrays
+    host = types.SimpleNamespace(upload=np.array)
+    consts = KernelConsts(lay, 3, host)
+    B, L = lay.max_blocks, lay.num_layers
+    _, fixed = cuda.CudaBackend._step_launch_args(
+        np.zeros(64, np.int32), np.zeros((lay.num_groups, 3, B), np.int32), np.zeros((L, 3, 2, B), np.int32),
+        np.zeros((3, 2), np.int32), np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+    args = fixed + (np.int32(1),)                       # build_step appends the table block count
+    passed = ["u64" if isinstance(a, np.ndarray) else "u32" if isinstance(a, np.int32) else type(a).__name__
+              for a in args]
+    assert passed == kinds, f"launch arguments {passed} vs kernel parameters {kinds}"
+    assert any(a is consts.d_group_null for a in args), "the null slots do not reach the kernel"
