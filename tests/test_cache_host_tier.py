@@ -27,7 +27,7 @@ def make(backend_name):
     return mgr, storage
 
 
-def prefill(mgr, storage, rid, tokens, before_finish=None):
+def prefill(mgr, storage, rid, tokens, before_prepare=None):
     n = mgr.add(rid, len(tokens), tokens=tokens)
     pos = np.arange(n, len(tokens))
     tok = np.asarray(tokens)[n:]
@@ -35,9 +35,9 @@ def prefill(mgr, storage, rid, tokens, before_finish=None):
     kv = [(xp.asarray(kv_value(tok, pos, layer, 0)), xp.asarray(kv_value(tok, pos, layer, 1)))
           for layer in range(mgr.spec.num_layers)]
     mgr.backend.synchronize()
+    if before_prepare is not None:
+        before_prepare()
     step = mgr.prepare_batch({rid: len(tokens) - n})
-    if before_finish is not None:
-        before_finish()
     for layer, (k, v) in enumerate(kv):
         storage.write(step, layer, k, v)
     step.finish()
@@ -77,7 +77,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back(backend_name, ordered, monk
     assert mgr.stats()["prefix_cache"]["groups"][1]["evictable_blocks"] == 5
     gate = None
 
-    def close_gate():     # hold the tier stream: the spill copies queue behind it
+    def close_gate():     # hold the tier stream: the spill copies (enqueued by the prepare) queue behind it
         nonlocal gate
         gate = be.gate(storage.host_tier.stream)
 
@@ -85,7 +85,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back(backend_name, ordered, monk
     # and c's step writes them while the spill copy is held
     c = list(range(500, 596))                      # 12 full blocks: every slot, 5 of them a's
     be.synchronize()
-    prefill(mgr, storage, "c", c, before_finish=close_gate)
+    prefill(mgr, storage, "c", c, before_prepare=close_gate)
     events = mgr.drain_cache_events()
     stats = mgr.stats()["prefix_cache"]["groups"][1]
     assert stats["evictions"] >= 5 and stats["host_blocks"] >= 5, stats
