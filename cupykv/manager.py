@@ -466,10 +466,13 @@ class KVCacheManager:
                 if self.cache is None:
                     self._release(g.index, cells, tag)
                 else:       # blocks outside every retained window leave the cache once nobody holds them
-                    slots = self.page_table.flat[cells]
-                    drop = np.concatenate([self.cache.leaving(row, g, blocks[pair_rows == row], slots[pair_rows == row])
-                                           for row in r.tolist()])
+                    slots, ends = self.page_table.flat[cells].tolist(), np.cumsum(hi - done[moved]).tolist()
+                    blocks, drop, start = blocks.tolist(), [], 0
+                    for row, end in zip(r.tolist(), ends):        # each row's blocks are contiguous, in order
+                        drop += self.cache.leaving(row, g, blocks[start:end], slots[start:end])
+                        start = end
                     self._release(g.index, cells, tag)
+                    drop = np.array(drop, np.int32)
                     self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
                 self.requests.stale_done[g.index, r] = hi
 

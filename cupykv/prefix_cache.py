@@ -236,35 +236,33 @@ class PrefixCache:
         for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
             self.publish(int(rows[j]), int(hist[j]), table[:, rows[j]])
 
-    def leaving(self, row: int, g: LayerGroup, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def leaving(self, row: int, g: LayerGroup, blocks: List[int], slots: List[int]) -> List[int]:
         """Slots that leave the cache as these out-of-window blocks of a request are released (blocks
         ascending; slots their table cells): the blocks outside every retained range. The newest of them
         keeps its hash until the next release: if the request ends first, it is the block before its last
-        window. Returns slots to unhash once nobody holds them."""
+        window. Returns slots to unhash once nobody holds them. (Plain Python: a settle releases a few
+        blocks per request, and numpy costs more than the work at that size.)"""
         seq = self.seqs.get(row)
-        if self.retention == "all" or seq is None or len(blocks) == 0:
-            return np.zeros(0, np.int32)
-        keep = self._keeps(seq, g, blocks)
-        keep[-1] = True
-        drop = slots[~keep & (slots != BAD)].tolist()
+        if self.retention == "all" or seq is None or not blocks:
+            return []
+        drop = [s for b, s in zip(blocks[:-1], slots[:-1]) if s != BAD and not self._keeps(seq, g, b)]
         old = seq.margin[g.index]
-        if old is not None and not self._keeps(seq, g, np.array([old[0]]))[0]:
+        if old is not None and not self._keeps(seq, g, old[0]):
             b, slot = old                     # still the same block's slot (not evicted and reused since)?
             if (b < len(seq.hashes) and self.hash_of[g.index].get(slot) == seq.hashes[b]
                     and self.pools[g.index].refs[slot] == 0):
                 drop.append(slot)
         if slots[-1] != BAD:
-            seq.margin[g.index] = (int(blocks[-1]), int(slots[-1]))
-        return np.array(drop, np.int32)
+            seq.margin[g.index] = (blocks[-1], slots[-1])
+        return drop
 
-    def _keeps(self, seq: CachedSeq, g: LayerGroup, blocks: np.ndarray) -> np.ndarray:
-        keep = blocks < seq.hit_blocks             # a hit's blocks: another request's boundaries kept them
+    def _keeps(self, seq: CachedSeq, g: LayerGroup, block: int) -> bool:
+        """Does this block of the request keep its hash when released (a hit's block: another request's
+        boundaries kept it; or inside a retained range)?"""
         ranges = seq.ranges.get(g.index)
         if ranges is None:
-            lo, hi = zip(*self._retained(g, seq.boundaries))
-            ranges = seq.ranges[g.index] = (np.array(lo, np.int64)[:, None], np.array(hi, np.int64)[:, None])
-        lo, hi = ranges
-        return keep | ((blocks >= lo) & (blocks < hi)).any(axis=0)
+            ranges = seq.ranges[g.index] = self._retained(g, seq.boundaries)
+        return block < seq.hit_blocks or any(lo <= block < hi for lo, hi in ranges)
 
     def add_boundary(self, row: int, pos: int) -> None:
         """A position whose window stays cached (a context chunk's end)."""
