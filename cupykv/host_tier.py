@@ -148,10 +148,12 @@ class HostTier:
 
     # -- internals -------------------------------------------------------------------------------
     def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
-        dev, host, be = self.storage.arrays[p], self.pools[p], self.backend
-        for d0, h0, n in _runs(np.asarray(dev_slots, np.int64), host_slots):
-            src, dst = (dev[d0:d0 + n], host[h0:h0 + n]) if to_host else (host[h0:h0 + n], dev[d0:d0 + n])
-            be.copy_bytes(dst, src, self.stream)
+        dev, host = self.storage.arrays[p], self.pools[p]
+        runs = _runs(np.asarray(dev_slots, np.int64), host_slots)       # (device slot, host slot, n)
+        if to_host:
+            self.backend.copy_runs(host, dev, [(h0, d0, n) for d0, h0, n in runs], self.slot_bytes[p], self.stream)
+        else:
+            self.backend.copy_runs(dev, host, runs, self.slot_bytes[p], self.stream)
         moved = len(host_slots) * self.slot_bytes[p]
         if to_host:
             self.bytes_to_host += moved

@@ -336,6 +336,19 @@ class CudaBackend:
         if src.nbytes:
             runtime.memcpyAsync(_address(dst), _address(src), src.nbytes, MEMCPY_DEFAULT, stream.ptr)
 
+    def copy_runs(self, dst, src, runs, unit_bytes: int, stream: cupy.cuda.Stream) -> None:
+        """For each (dst_start, src_start, n) of `runs`, copy n units of unit_bytes from contiguous `src` to
+        contiguous `dst` (pinned host or device), in `stream` order; addresses are computed once, so a
+        run costs one memcpyAsync call (the same rules as copy_bytes)."""
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            raise ValueError("copy_runs: needs contiguous arrays")
+        dst_ptr, src_ptr, dst_n, src_n = _address(dst), _address(src), dst.nbytes, src.nbytes
+        for d0, s0, n in runs:
+            if (d0 + n) * unit_bytes > dst_n or (s0 + n) * unit_bytes > src_n or min(d0, s0, n) < 0:
+                raise ValueError(f"copy_runs: run {(d0, s0, n)} of {unit_bytes} B units is out of range")
+            runtime.memcpyAsync(dst_ptr + d0 * unit_bytes, src_ptr + s0 * unit_bytes, n * unit_bytes, MEMCPY_DEFAULT,
+                                stream.ptr)
+
     def copy_d2d(self, dst: cupy.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError(f"copy_d2d: needs contiguous arrays of equal size ({dst.nbytes} vs {src.nbytes} B)")
