@@ -136,6 +136,12 @@ class KVCacheManager:
                           lambda self, on: setattr(self.pipeline, "use_graphs", bool(on)),
                           doc="Replay each step's device work as a CUDA graph (may be switched between steps).")
 
+    def capture_graphs(self) -> int:
+        """With use_graphs on the CUDA backend: capture now every step graph the snapshot ring can need, so
+        that no prepare_batch captures one later (a ring slot added or grown later still captures on first
+        use). Call while nothing holds the device. Returns how many graphs were captured."""
+        return self.pipeline.capture_graphs()
+
     # -- requests --------------------------------------------------------------------------------
     def add(self, rid: RequestId, prompt_len: int, *, tokens=None, cache_salt=None, checkpoints=()) -> int:
         """Register a request with a prompt of prompt_len tokens; it takes the lowest free table row.

@@ -19,16 +19,13 @@ from typing import Optional
 import numpy as np
 
 from .layout import BAD, Layout
-from .staging import MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, snapshot_words
+from .staging import (MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, pow2_at_least, pow2_buckets,
+                      snapshot_words)
 from .step import Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
 # step grows its slot (staging.SnapshotRing).
 RING_RUNS, RING_CELLS = 64, 1024
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class KernelConsts:
@@ -107,10 +104,10 @@ class StepPipeline:
         if self.use_graphs:
             # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers
             # of two; the kernels read the true counts from the snapshot.
-            copy_words = min(_pow2_at_least(max(words, 1024)), slot.capacity)
+            copy_words = min(pow2_at_least(max(words, 1024)), slot.capacity)
             be.launch_step_graph(st, slot, *buffers, self.shared, step.mode,
-                                 min(_pow2_at_least(entries), self.consts.max_batch),
-                                 min(_pow2_at_least(max(tokens, 256)), out.write_offsets.size), copy_words)
+                                 min(pow2_at_least(entries), self.consts.max_batch),
+                                 min(pow2_at_least(max(tokens, 256)), out.write_offsets.size), copy_words)
             self.h2d_bytes_last_step = copy_words * 4
         else:
             be.copy_h2d(slot.dev, slot.host, words, st)
@@ -124,6 +121,17 @@ class StepPipeline:
         step.ready = slot.copied = be.record(st)
         if step.mode == MODE_FULL:
             self.epoch = step.id
+
+    def capture_graphs(self) -> int:
+        """Capture now every step graph the ring slots can need (CUDA backend with use_graphs; 0 elsewhere),
+        with the buckets the steps round to; returns how many were captured."""
+        capture = getattr(self.backend, "capture_step_graphs", None)
+        if capture is None or not self.use_graphs:
+            return 0
+        out = self.outputs
+        return capture(self.ring.slots, self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets,
+                       self.consts, self.shared, pow2_buckets(1, self.consts.max_batch),
+                       pow2_buckets(256, out.write_offsets.size))
 
     def _steady(self, step: Step) -> bool:
         """True when the output already holds this batch's rows (the previous step's, row for row, no

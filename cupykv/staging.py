@@ -54,6 +54,23 @@ def cuda_constants() -> str:
     return "".join(f"constexpr int {name} = {int(value)};\n" for name, value in kernel_constants().items())
 
 
+def pow2_at_least(n: int) -> int:
+    """The power of two a count rounds up to (graph buckets: batch size, tokens, copy words)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pow2_buckets(lowest: int, cap: int) -> list:
+    """The sizes a count in [1, cap] rounds up to: powers of two from the first one >= lowest, capped at
+    cap (the last bucket is cap itself)."""
+    cap = max(int(cap), 1)
+    size = 1 << max(int(lowest) - 1, 0).bit_length()
+    buckets = [min(size, cap)]
+    while size < cap:
+        size *= 2
+        buckets.append(min(size, cap))
+    return buckets
+
+
 def runs_from_cells(cells: np.ndarray):
     """Flat cell indices -> (run_start, run_voff): maximal runs of consecutive ascending cells, in order.
     Any order and repeats are fine (the values of a repeated cell are equal); sorted input packs tightest."""

@@ -238,26 +238,17 @@ def check_burst(result: dict, new_graphs: int) -> None:
 
 
 def capture_up_front(mgr) -> int:
-    """Every step graph the manager's ring slots can need, captured now (CudaBackend.capture_step_graphs
-    with the pipeline's buckets)."""
-    from cupykv.backends.cuda import pow2_buckets
-    p = mgr.pipeline
-    out = p.outputs
-    return mgr.backend.capture_step_graphs(p.ring.slots, p.mirror, out.tables, p.row_entry, out.write_pages,
-                                           out.write_offsets, p.consts, p.shared,
-                                           pow2_buckets(1, mgr.spec.max_batch),
-                                           pow2_buckets(256, out.write_offsets.size))
+    """Every step graph the manager's ring slots can need, captured now."""
+    return mgr.capture_graphs()
 
 
 def test_up_front_buckets_cover_the_pipelines_rounding():
     """Every bucket the pipeline rounds a count to (batch size, tokens, copy words) is one that
     capture_up_front enumerates, so an up-front capture leaves no key for prepare_batch to capture."""
-    pytest.importorskip("cupy", reason="the CUDA backend module needs cupy")
-    from cupykv.backends.cuda import pow2_buckets
-    from cupykv.pipeline import _pow2_at_least
+    from cupykv.staging import pow2_at_least, pow2_buckets
     for lowest, cap in ((1, 12), (1, 256), (256, 4096), (256, 100), (1024, 1210), (1024, 700)):
         buckets = set(pow2_buckets(lowest, cap))
-        rounded = {min(_pow2_at_least(max(n, lowest)), cap) for n in range(1, cap + 1)}
+        rounded = {min(pow2_at_least(max(n, lowest)), cap) for n in range(1, cap + 1)}
         assert rounded == buckets, (lowest, cap)
 
 

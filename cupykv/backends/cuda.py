@@ -19,7 +19,7 @@ import numpy as np
 from cupy.cuda import runtime
 
 from ..kernels import MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of, module_source
-from ..staging import MODE_DELTA, MODE_FULL
+from ..staging import MODE_DELTA, MODE_FULL, pow2_buckets
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
 # kernel grid-strides and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks
@@ -162,18 +162,6 @@ def module_loading_mode() -> Optional[str]:
     if get_mode is None or get_mode(ctypes.byref(mode)) != 0:
         return None
     return "lazy" if mode.value == _CU_MODULE_LAZY_LOADING else "eager"
-
-
-def pow2_buckets(lowest: int, cap: int) -> List[int]:
-    """The sizes a count in [1, cap] rounds up to: powers of two from the first one >= lowest, capped at
-    cap (the last bucket is cap itself)."""
-    cap = max(int(cap), 1)
-    size = 1 << max(int(lowest) - 1, 0).bit_length()
-    buckets = [min(size, cap)]
-    while size < cap:
-        size *= 2
-        buckets.append(min(size, cap))
-    return buckets
 
 
 def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
