@@ -7,7 +7,7 @@ snapshots follow: nobody writes a copy's source or destination until the event a
 and no pinned buffer is dropped while a copy may touch it (the pool is allocated once, for the life of
 the tier).
 
-    suspend: copy stream waits for the finish of the request's last step (its consumer wrote the KV)
+    suspend: copy stream waits for the latest step's finish (every step that wrote the KV came before)
              D2H copies of the resident blocks -> `copied` event
              residence.detach: device slots released, quarantined until `copied` (and every step so far)
     resume:  residence.attach: device slots taken (all or nothing), table rows restored, and

@@ -207,7 +207,9 @@ class KVCacheManager:
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self.requests.get(rid)
-        tag = self.ledger.last_prepared
+        loading = self.requests.loading.get(req.row)
+        # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
+        tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
         for p in range(self.layout.num_groups):
             self._release(p, self.page_table.row_cells(p, req.row), tag)
         for slots in req.scratch.values():

@@ -34,23 +34,24 @@ class Residence:
         return out
 
     def check_detach(self, rid: RequestId):
-        """Raise unless the request could leave the device now: known, resident, in no unsettled step, its
-        last step finished. Returns that step's finish event while it may still run (copies of the
-        request's KV must wait for it: its consumer wrote the KV), else None."""
+        """Raise unless the request could leave the device now: known, resident, in no unsettled step, and
+        the latest step finished. Returns that step's finish event while it may still run, else None:
+        copies of the request's KV wait for it, since its blocks may have been written by any earlier step
+        (its own, or another request's whose blocks it hit), and each step's finish comes after the
+        previous one's."""
         req = self.requests.get(rid)
         if req.suspended:
             raise InvalidRequestError(f"request {rid!r} is already suspended")
         pending = req.pending
         if pending:
             raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
-        last = int(self.requests.last_scheduled[req.row])
-        for step in self.ledger.steps_in_flight():
-            if step.id == last:
-                if step.finished is None:
-                    raise StepOrderError(f"request {rid!r}: its last step {last} is not finished; call "
-                                         "step.finish(stream) after its consumer wrote the KV")
-                return step.finished
-        return None
+        latest = self.ledger.latest
+        if latest is None or latest.is_complete():
+            return None
+        if latest.finished is None:
+            raise StepOrderError(f"request {rid!r}: step {latest.id} is not finished; call step.finish(stream) "
+                                 "after its consumer's last write, then suspend")
+        return latest.finished
 
     def detach(self, rid: RequestId, copied) -> None:
         """The request leaves the device (its KV was copied out): its slots are released, quarantined until
