@@ -182,7 +182,8 @@ class CachingSlotPool(SlotPool):
         return len(slots)
 
     def quarantined_through(self, tag: int) -> int:
-        return sum(int(np.count_nonzero(self.qtag[s] == t)) for t, s in self._quarantine if t <= tag)
+        # each slot once: hit and released again under the same tag, it is in its entry twice
+        return sum(len(np.unique(s[self.qtag[s] == t])) for t, s in self._quarantine if t <= tag)
 
     def quarantined_slots(self) -> np.ndarray:
         return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)
