@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
-# [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [profile]
+# [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [profile]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -40,6 +40,11 @@ for part in $parts; do
         timeout 100 python3 scripts/kernel_breakdown.py $cfg 16 --segments >>"$OUT/segments.log" 2>&1
       done
       cat "$OUT/segments.log" ;;
+    flashinfer)   # FlashInfer as a consumer: wheels carried in .whl/ (see README), installed to /tmp/site
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH
+      run flashinfer timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_flashinfer.py
+      run flashinfer_example timeout 120 python3 examples/flashinfer_decode.py ;;
     examples)   # one log for all (the device tool returns at most 8 files)
       for ex in examples/*.py; do
         echo "== $ex" >>"$OUT/examples.log"
