@@ -542,3 +542,161 @@ def test_numpy_manager_options_work():
     mgr = KVCacheManager(make_mgr().spec, backend="host", max_steps_in_flight=np.int8(16), ring_slots=np.uint8(2),
                          max_ring_slots=np.int16(4), staging_timeout_s=np.float32(5))
     run_twins(make_mgr(), mgr, int)
+
+
+# --------------------------------------------------------------------------------------------------
+# prefix caching: add(tokens=, cache_salt=, checkpoints=) and settle(new_tokens=)
+# --------------------------------------------------------------------------------------------------
+def cached_mgr(**kw):
+    return make_mgr(prefix_caching=True, **kw)
+
+
+def cached_prefill(mgr, rid, tokens):
+    assert mgr.add(rid, len(tokens), tokens=tokens) == 0
+    run_step(mgr, contexts={rid: len(tokens)})
+
+
+def check_cached_invariants(mgr):
+    """check_invariants for a manager whose requests may share slots (hits): every slot is in cells,
+    free, quarantined or evictable, and its reference count is its cells."""
+    assert mgr.stats()["steps_unsettled"] == 0
+    check_slots(mgr)
+
+
+PROMPT = list(range(100, 140))          # 40 tokens: 2 full blocks of 16
+
+
+@pytest.mark.parametrize("tokens,needles", [
+    (None, ["'Z'", "tokens", "40"]),                        # prefix caching needs them
+    (PROMPT[:39], ["'Z'", "tokens", "40"]),                 # too short
+    (PROMPT + [1], ["'Z'", "tokens", "40"]),                # too long
+    ([], ["'Z'", "tokens", "40"]),
+    ([float(t) for t in PROMPT], ["'Z'", "tokens", "int"]),
+    (np.array(PROMPT, np.float64), ["'Z'", "tokens", "float64"]),
+    (np.array(PROMPT, np.float32), ["'Z'", "tokens", "float32"]),
+    ("x" * 40, ["'Z'", "tokens", "str"]),
+    (b"x" * 40, ["'Z'", "tokens", "bytes"]),
+    ([str(t) for t in PROMPT], ["'Z'", "tokens"]),
+    (PROMPT[:39] + [None], ["'Z'", "tokens"]),
+    (PROMPT[:39] + [True], ["'Z'", "tokens"]),
+    (np.array(PROMPT, bool), ["'Z'", "tokens"]),
+    (PROMPT[:39] + [2 ** 70], ["'Z'", "tokens", "int64"]),
+    (PROMPT[:39] + [-2 ** 63 - 1], ["'Z'", "tokens", "int64"]),
+    (np.array(PROMPT[:39] + [2 ** 63], np.uint64), ["'Z'", "tokens", "int64"]),
+    (np.array([PROMPT], np.int64), ["'Z'", "tokens", "40"]),          # 2-D
+    (5, ["'Z'", "tokens", "int"]),
+    ({t: t for t in PROMPT}, ["'Z'", "tokens"]),
+], ids=lambda v: type(v).__name__ if not isinstance(v, list) else f"list{len(v)}")
+def test_bad_tokens(tokens, needles):
+    mgr = cached_mgr()
+    cached_prefill(mgr, "A", PROMPT)
+    expect_fail(mgr, CupykvError, needles, lambda: mgr.add("Z", 40, tokens=tokens))
+    assert mgr.add("Z", 40, tokens=PROMPT) == 32           # still works, and nothing was counted
+    assert mgr.stats()["prefix_cache"]["queries"] == 2
+
+
+@pytest.mark.parametrize("salt", [5, 1.5, ["a"], ("a",), {"a": 1}, True, np.int64(3)], ids=repr)
+def test_bad_salt(salt):
+    mgr = cached_mgr()
+    cached_prefill(mgr, "A", PROMPT)
+    expect_fail(mgr, CupykvError, ["cache_salt", repr(salt)], lambda: mgr.add("Z", 40, tokens=PROMPT, cache_salt=salt))
+    assert mgr.add("Z", 40, tokens=PROMPT, cache_salt="s") == 0
+
+
+@pytest.mark.parametrize("checkpoints,needles", [
+    ([0], ["checkpoint", "0"]),                     # positions are in [1, prompt_len]
+    ([-1], ["checkpoint", "-1"]),
+    ([41], ["checkpoint", "41"]),
+    ([10, 2 ** 70], ["checkpoint", str(2 ** 70)]),
+    ([1.5], ["checkpoint", "1.5"]),
+    ([np.float64(8)], ["checkpoint", "8"]),
+    ([True], ["checkpoint", "True"]),
+    (["8"], ["checkpoint", "'8'"]),
+    ([None], ["checkpoint", "None"]),
+    (8, ["checkpoints", "8"]),                      # one position, not a list of them
+    ("8", ["checkpoints", "'8'"]),
+    (None, ["checkpoints", "None"]),
+])
+def test_bad_checkpoints(checkpoints, needles):
+    mgr = cached_mgr()
+    expect_fail(mgr, CupykvError, ["'Z'"] + needles,
+                lambda: mgr.add("Z", 40, tokens=PROMPT, checkpoints=checkpoints))
+    mgr.add("Z", 40, tokens=PROMPT, checkpoints=[1, 40, np.int16(20)])
+    run_step(mgr, contexts={"Z": 40})
+
+
+def test_bad_tokens_are_refused_without_prefix_caching_too():
+    mgr = make_mgr()
+    expect_fail(mgr, CupykvError, ["tokens"], lambda: mgr.add("Z", 40, tokens=[1.5] * 40))
+    expect_fail(mgr, CupykvError, ["checkpoint", "41"], lambda: mgr.add("Z", 40, checkpoints=[41]))
+    assert mgr.add("Z", 40) == 0
+
+
+@pytest.mark.parametrize("kind", [list, tuple, np.int64, np.int32, np.uint16, np.uint64, "object"])
+def test_every_token_container_hits_the_same_blocks(kind):
+    """Token ids of any integer container are the same ids: a prompt given as int32 or uint16 array hits
+    the blocks a list published (hashes are of the values, not of the container's bytes)."""
+    mgr = cached_mgr()
+    cached_prefill(mgr, "A", PROMPT)
+    toks = (kind(PROMPT) if kind in (list, tuple) else
+            np.array([np.int64(t) for t in PROMPT], object) if kind == "object" else np.array(PROMPT, kind))
+    assert mgr.add("Z", 40, tokens=toks) == 32
+
+
+def new_tokens_mgr():
+    """A (prefilled) decodes 2 speculative tokens; B has a context chunk in the same step."""
+    mgr = cached_mgr()
+    cached_prefill(mgr, "A", PROMPT)
+    mgr.add("B", 40, tokens=list(range(40)))
+    step = mgr.prepare_batch(contexts={"B": 20}, generation=["A"], num_gen_tokens=2)
+    step.finish()
+    return mgr, step
+
+
+@pytest.mark.parametrize("accepted,new_tokens,exc,needles", [
+    (None, {"A": [1]}, InvalidRequestError, ["'A'", "2"]),                 # 2 accepted, 1 reported
+    (None, {"A": [1, 2, 3]}, InvalidRequestError, ["'A'", "2"]),
+    ({"A": 1}, {"A": [1, 2]}, InvalidRequestError, ["'A'", "1"]),          # a rejected token reported
+    ({"A": 0}, {"A": [1]}, InvalidRequestError, ["'A'", "0"]),
+    (None, {"A": [1.0, 2.0]}, InvalidRequestError, ["'A'", "int"]),
+    (None, {"A": ["1", "2"]}, InvalidRequestError, ["'A'"]),
+    (None, {"A": "12"}, InvalidRequestError, ["'A'", "str"]),
+    (None, {"A": [1, 2 ** 70]}, InvalidRequestError, ["'A'", "int64"]),
+    (None, {"A": [1, None]}, InvalidRequestError, ["'A'"]),
+    (None, {"A": [True, 2]}, InvalidRequestError, ["'A'"]),
+    (None, {"A": None}, InvalidRequestError, ["'A'"]),
+    (None, {"A": 7}, InvalidRequestError, ["'A'"]),
+    (None, {"B": [1] * 20}, InvalidRequestError, ["'B'", "context"]),     # a context entry's tokens
+    (None, {"nope": [1, 2]}, UnknownRequestError, ["'nope'"]),
+    (None, {("A",): [1, 2]}, UnknownRequestError, ["('A',)"]),
+    (None, {5: [1, 2]}, UnknownRequestError, ["5"]),
+    (None, [[1, 2]], InvalidRequestError, ["new_tokens"]),                 # not a mapping
+    (None, "A", InvalidRequestError, ["new_tokens"]),
+])
+def test_bad_new_tokens(accepted, new_tokens, exc, needles):
+    mgr, step = new_tokens_mgr()
+    expect_fail(mgr, exc, needles, lambda: mgr.settle(step, accepted, new_tokens=new_tokens))
+    good = {"A": [7, 8]} if accepted is None else {"A": [7, 8][:next(iter(accepted.values()))]}
+    mgr.settle(step, accepted, new_tokens=good)
+    mgr.synchronize()
+    check_cached_invariants(mgr)
+    assert mgr.request("A").history == 40 + len(good["A"])
+
+
+def test_new_tokens_of_a_freed_request_are_accepted_and_ignored():
+    mgr, step = new_tokens_mgr()
+    mgr.free("A")
+    mgr.settle(step, new_tokens={"A": [7, 8]})
+    mgr.synchronize()
+    check_cached_invariants(mgr)
+
+
+@pytest.mark.parametrize("field,value", [("prefix_caching", "yes"), ("prefix_caching", 1),
+                                         ("prefix_retention", "some"), ("prefix_retention", None),
+                                         ("prefix_retention", 3)])
+def test_bad_prefix_spec_fields(field, value):
+    kw = dict(SPEC, prefix_caching=True)
+    kw[field] = value
+    with pytest.raises(InvalidSpecError) as ei:
+        CacheSpec(**kw)
+    assert field in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
