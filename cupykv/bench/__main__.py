@@ -251,42 +251,37 @@ def parse_host_tier_args(argv: List[str]):
     return s
 
 
-def main_prefix(argv: List[str]) -> int:
-    """`python -m cupykv.bench prefix`: run, print the tables, write prefix.json / prefix.md. Exit status 0, or
-    1 when a part failed or the trace's token accounting disagreed with stats(); 2 on bad arguments."""
+def _subcommand(name: str, stem: str, argv: List[str], parse, run, text, markdown) -> int:
+    """Parse, run, print the tables, write STEM.json / STEM.md; exit status 0, 1 when a part failed,
+    2 on bad arguments or no usable backend."""
     from ..errors import BackendUnavailableError
-    from .prefix_trace import run_prefix
-    from .report import prefix_markdown, prefix_text, write_named
-    settings = parse_prefix_args(argv)
+    from .report import write_named
+    settings = parse(argv)
     try:
-        result = run_prefix(settings)
+        result = run(settings)
     except BackendUnavailableError as exc:
-        print(f"python -m cupykv.bench prefix: {exc}", file=sys.stderr)
+        print(f"python -m cupykv.bench {name}: {exc}", file=sys.stderr)
         return 2
-    print(prefix_text(result))
+    print(text(result))
     if settings.out:
-        for path in write_named(result, settings.out, "prefix", prefix_markdown(result)):
+        for path in write_named(result, settings.out, stem, markdown(result)):
             print(f"wrote {path}")
     return 1 if result["failures"] else 0
+
+
+def main_prefix(argv: List[str]) -> int:
+    """`python -m cupykv.bench prefix`: 1 also when the trace's token accounting disagreed with stats()."""
+    from .prefix_trace import run_prefix
+    from .report import prefix_markdown, prefix_text
+    return _subcommand("prefix", "prefix", argv, parse_prefix_args, run_prefix, prefix_text, prefix_markdown)
 
 
 def main_host_tier(argv: List[str]) -> int:
-    """`python -m cupykv.bench host-tier`: run, print the tables, write host_tier.json / host_tier.md. Exit
-    status 0, or 1 when a case failed; 2 on bad arguments."""
-    from ..errors import BackendUnavailableError
+    """`python -m cupykv.bench host-tier`: suspend/resume against the pinned copy bandwidth."""
     from .host_tier_bench import run_host_tier
-    from .report import host_tier_markdown, host_tier_text, write_named
-    settings = parse_host_tier_args(argv)
-    try:
-        result = run_host_tier(settings)
-    except BackendUnavailableError as exc:
-        print(f"python -m cupykv.bench host-tier: {exc}", file=sys.stderr)
-        return 2
-    print(host_tier_text(result))
-    if settings.out:
-        for path in write_named(result, settings.out, "host_tier", host_tier_markdown(result)):
-            print(f"wrote {path}")
-    return 1 if result["failures"] else 0
+    from .report import host_tier_markdown, host_tier_text
+    return _subcommand("host-tier", "host_tier", argv, parse_host_tier_args, run_host_tier, host_tier_text,
+                       host_tier_markdown)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
