@@ -251,7 +251,7 @@ class KVCacheManager:
         decoding). Contexts come first in the batch. Slots are reserved for every new token (all or
         nothing), the step's inputs are snapshotted, and the copy and kernels are enqueued on the manager
         stream. Returns the Step. pad_to: for a consumer captured with a fixed batch size: output rows
-        [num_seqs, pad_to) are written BAD.
+        [num_seqs, pad_to) are written BAD (the null page with CacheSpec(null_slot=True)).
         """
         ctx_items = context_items(contexts)
         gen_ids = request_ids(generation)

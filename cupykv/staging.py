@@ -31,7 +31,7 @@ H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = 
 H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF = range(6, 12)
 H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
 H_MODE = 16
-H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD (fixed-size consumers)
+H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
 H_EPOCH = 18               # the id of the FULL step whose batch this is (a FULL step's own id)
 HEADER_WORDS = 20          # word 19 is spare, zero
 

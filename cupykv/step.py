@@ -49,7 +49,7 @@ class Step:
         self.num_tokens = tokens                    # int64 [num_seqs]: tokens scheduled per entry
         self.start_positions = starts               # int64 [num_seqs]: position of each entry's first new token
         self.num_contexts = num_contexts
-        self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD
+        self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD (or the null page)
         self.moves = moves                          # the request table's move count at prepare (see settle)
         self.layout = layout                        # cupykv.Layout of the manager
         self.backend = backend                      # the backend whose streams and events order this step
