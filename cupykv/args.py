@@ -139,6 +139,7 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
     if not isinstance(new_tokens, Mapping):
         raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids")
     index = {rid: i for i, rid in enumerate(request_ids)}
+    counts = accepted.tolist()
     out = {}
     for rid, toks in new_tokens.items():
         try:
@@ -148,9 +149,13 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         if i < num_contexts:
             raise InvalidRequestError(f"new_tokens: request {rid!r} has a context chunk in step {step_id}; "
                                       "its tokens are the prompt's (given to add)")
-        n = int(accepted[i])
-        if type(toks) is list and len(toks) == n and all(type(t) is int and -2 ** 63 <= t < 2 ** 63 for t in toks):
-            out[i] = toks               # the common case, a short list of ints, without numpy
+        n = counts[i]
+        # the common case, a short list of Python ints, checked without numpy (one entry per request)
+        if type(toks) is list and len(toks) == n and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks):
+            out[i] = toks
         else:
             out[i] = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
     return out
+
+
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1

@@ -190,13 +190,12 @@ class PrefixCache:
     def end(self, row: int) -> None:
         del self.seqs[row]
 
-    def extend(self, row: int, tokens: List[int]) -> None:
-        """Accepted generation tokens of a request, in order (for publishing decode blocks)."""
-        seq = self.seqs[row]
-        if self.complete[row]:
-            seq.tail.extend(tokens)
-            if len(seq.tail) >= self.tpb:
-                self._hash_blocks(seq, np.array(seq.tail, np.int64))
+    def _extend(self, seq: CachedSeq, tokens: List[int]) -> None:
+        """Accepted generation tokens of a request whose tokens are all known, in order: the blocks they
+        complete are hashed (for publishing decode blocks)."""
+        seq.tail.extend(tokens)
+        if len(seq.tail) >= self.tpb:
+            self._hash_blocks(seq, np.array(seq.tail, np.int64))
 
     def publish(self, row: int, history: int, cells: List[np.ndarray]) -> None:
         """Offer the request's full settled blocks to the cache: block b of group p maps to the slot in
@@ -227,10 +226,11 @@ class PrefixCache:
         silent = (index >= num_contexts) & (acc > 0)        # generation entries that advanced ...
         if reported:
             silent &= ~np.isin(index, list(reported))       # ... without reporting their tokens
-            live = set(index.tolist())
+            live = set(index.tolist()) if len(index) < len(step_rows) else None
+            step_rows, complete = step_rows.tolist(), self.complete.tolist()
             for i, toks in reported.items():
-                if i in live:
-                    self.extend(int(step_rows[i]), toks)
+                if (live is None or i in live) and complete[step_rows[i]]:
+                    self._extend(self.seqs[step_rows[i]], toks)
         self.complete[rows[silent]] = False
         shift = self.tpb.bit_length() - 1
         for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
