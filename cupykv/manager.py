@@ -22,8 +22,8 @@ from .allocator import CachingSlotPool, SlotPool
 from .args import accepted_counts, as_count, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backend
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
-                     OutOfSlotsError, StepOrderError, UnknownRequestError)
-from .layout import BAD, Layout
+                     OutOfSlotsError, StepOrderError)
+from .layout import Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache

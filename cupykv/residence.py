@@ -13,6 +13,7 @@ from typing import Hashable, List, Sequence, Tuple
 import numpy as np
 
 from .errors import InvalidRequestError, OutOfSlotsError, StepOrderError
+from .requests import Request
 
 RequestId = Hashable
 
