@@ -215,6 +215,23 @@ def expected_write_positions(spec, tables: np.ndarray, num_tokens, start_positio
     return pages, (pos % geo.tpb).astype(np.int32)
 
 
+def _in_batch_order(accepted):
+    """settle's accepted as a list when given in batch order, else None."""
+    return None if accepted is None or isinstance(accepted, Mapping) else list(accepted)
+
+
+def _accepted_tokens(entry, i: int, accepted, in_order) -> int:
+    """The tokens settle accepts for batch entry i (contexts whole; None: all)."""
+    if accepted is None or entry.context:
+        a = entry.tokens
+    elif isinstance(accepted, Mapping):
+        a = int(accepted.get(entry.request.rid, entry.tokens))
+    else:
+        a = int(in_order[i])
+    assert 0 <= a <= entry.tokens, (entry.request.rid, a, entry.tokens)
+    return a
+
+
 # --------------------------------------------------------------------------------------------------
 # Model: the per-request numbers from the calls alone
 # --------------------------------------------------------------------------------------------------
@@ -306,18 +323,12 @@ class Model:
     def settle(self, step_id: int, accepted=None) -> None:
         """accepted: None (all), request id -> tokens, or a sequence in batch order, as settle takes it."""
         step = self.steps.pop(step_id)
-        in_order = None if accepted is None or isinstance(accepted, Mapping) else list(accepted)
+        in_order = _in_batch_order(accepted)
         for i, e in enumerate(step.entries):
             req = e.request
             if self.requests.get(req.rid) is not req:     # freed since the prepare
                 continue
-            if accepted is None or e.context:
-                a = e.tokens
-            elif isinstance(accepted, Mapping):
-                a = int(accepted.get(req.rid, e.tokens))
-            else:
-                a = int(in_order[i])
-            assert 0 <= a <= e.tokens, (req.rid, a, e.tokens)
+            a = _accepted_tokens(e, i, accepted, in_order)
             req.history += a
             req.capacity -= e.tokens - a
             req.scratch.pop(step_id, None)
@@ -679,20 +690,14 @@ class PrefixModel(Model):
         step = self.steps.pop(step_id)
         self.clock += 1
         tpb, new_tokens = self.geo.tpb, (new_tokens or {})
-        in_order = None if accepted is None or isinstance(accepted, Mapping) else list(accepted)
+        in_order = _in_batch_order(accepted)
         live: List[PrefixRequest] = []
         stale_before = {}
         for i, e in enumerate(step.entries):
             req = e.request
             if self.requests.get(req.rid) is not req:     # freed since the prepare
                 continue
-            if accepted is None or e.context:
-                a = e.tokens
-            elif isinstance(accepted, Mapping):
-                a = int(accepted.get(req.rid, e.tokens))
-            else:
-                a = int(in_order[i])
-            assert 0 <= a <= e.tokens, (req.rid, a, e.tokens)
+            a = _accepted_tokens(e, i, accepted, in_order)
             stale_before[req.rid] = {g.index: self.geo.stale_range(g, req.history)[1] for g in self.geo.groups}
             req.history += a
             req.capacity -= e.tokens - a

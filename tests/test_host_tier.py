@@ -28,7 +28,7 @@ import cupykv
 from cupykv import BAD, InvalidRequestError, InvalidSpecError, OutOfSlotsError, StepOrderError, UnknownRequestError
 from cupykv.host_tier import HostTierFullError
 from cupykv.storage import KVStorage
-from oracle import Geometry, Model, expected_tables
+from oracle import Geometry, Model, check_slots, expected_tables
 
 EXAMPLES = int(os.environ.get("CUPYKV_PROPERTY_EXAMPLES", "300"))
 H, D, QH, TPB = 2, 4, 4, 8
@@ -283,25 +283,9 @@ class Rig:
             assert (self.mgr.table[:, row] == BAD).all(), f"free row {row} holds slots"
 
     def check_conservation(self, scratch_held: Optional[Dict[int, list]] = None) -> None:
-        """Every slot is in table cells, held as scratch, free, quarantined or evictable, exactly once
-        (table cells may share a slot only with prefix caching, where the reference counts say how many
-        hold it); stats() agrees."""
-        stats = self.mgr.stats()["groups"]
-        for p, pool in enumerate(self.mgr.pools):
-            cells = self.mgr.table[p]
-            in_cells = cells[cells != BAD].tolist()
-            scratch = list((scratch_held or {}).get(p, ()))
-            caching = hasattr(pool, "refs")
-            evictable = pool.evictable_slots().tolist() if caching else []
-            every = (sorted(set(in_cells)) if caching else in_cells) + scratch + pool.free_slots().tolist() + \
-                pool.quarantined_slots().tolist() + evictable
-            assert sorted(every) == list(range(pool.total)), f"group {p}: a slot is lost or owned twice"
-            if caching:
-                holders = np.bincount(np.array(in_cells + scratch, np.int64), minlength=pool.total)
-                assert np.array_equal(pool.refs, holders), f"group {p}: reference counts"
-            s = stats[p]
-            parts = [s["free"], s["owned"], s["scratch"], s["quarantined"], s.get("evictable", 0)]
-            assert sum(parts) == s["total"] and min(parts) >= 0, s
+        """Every slot is in table cells, held as scratch, free, quarantined or evictable, exactly once;
+        reference counts and stats() agree (oracle.check_slots)."""
+        check_slots(self.mgr, scratch_held)
 
     def scratch_held(self) -> Dict[int, list]:
         held = {g.index: [] for g in self.geo.groups}
