@@ -66,7 +66,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def act(self, data):
         """One operation, drawn with weights so that workloads run many steps."""
-        action = data.draw(st.sampled_from(self.ACTIONS), label="action")
+        self.do(data.draw(st.sampled_from(self.ACTIONS), label="action"), data)
+
+    def do(self, action: str, data) -> None:
         if action == "add":
             self.add(data)
         elif action == "step":
@@ -232,9 +234,7 @@ class PrefixMachine(ManagerMachine):
 
     ACTIONS = ["add"] * 3 + ["step"] * 5 + ["settle"] * 4 + ["serve"] * 2 + ["free"] * 2 + ["cancel", "device", "squeeze", "burst", "drain"]
 
-    @rule(data=st.data())
-    def act(self, data):
-        action = data.draw(st.sampled_from(self.ACTIONS), label="action")
+    def do(self, action: str, data) -> None:
         if action == "serve":
             self.serve(data)
         elif action == "cancel":           # a request that goes before it is ever scheduled (its hit
@@ -250,16 +250,8 @@ class PrefixMachine(ManagerMachine):
             self.serve(data)
             for _ in range(data.draw(st.integers(1, 48), label="burst")):
                 self.decode_all(data)
-        elif action == "add":
-            self.add(data)
-        elif action == "step":
-            self.step(data)
-        elif action == "settle" and self.tw.unsettled:
-            self.settle(data)
-        elif action == "free" and len(self.model):
-            self.free(data)
-        elif action == "drain":
-            self.open_gate_and_drain()
+        else:
+            super().do(action, data)
 
     def serve(self, data):
         """Every request's whole remaining prompt (or one decode token), then settle every step: requests
