@@ -142,14 +142,14 @@ def pages_to_torch(storage, group: int, step_or_event=None, stream=None):
 
 
 def finish_on_torch(step, stream=None) -> None:
-    """step.finish() recorded on a torch stream (default: torch's current stream): the consumer's last
-    read of the step's buffers is enqueued there."""
+    """step.finish() recorded on a torch stream (default: torch's current stream on the step's device): the
+    consumer's last read of the step's buffers is enqueued there. With several devices pass step.on(rank)."""
     if step.backend.xp is np:
         step.finish()
         return
     torch = _torch()
     if stream is None:
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(step.backend.device_id)
     step.finish(cupy_stream(stream))
 
 
@@ -161,10 +161,11 @@ class CsrBuffers:
     [max_batch]. Reused by every csr_views(..., buffers=this) call: like the tables, a step's CSR arrays
     stay valid until the next step's are written (after the previous consumer's finish event)."""
 
-    def __init__(self, manager):
-        be, spec = manager.backend, manager.spec
+    def __init__(self, manager, rank: int = 0):
+        mirror = manager.pipeline.mirrors[rank]     # rank: the device (KVCacheManager(devices=...) position)
+        be, spec = mirror.backend, manager.spec
         B = manager.layout.max_blocks
-        self.outputs = manager.outputs        # the step outputs these buffers serve (csr_views checks)
+        self.outputs = mirror.outputs         # the step outputs these buffers serve (csr_views checks)
         self.indptr = be.device_full((spec.max_batch + 1,), 0, np.int32)
         self.indices = be.device_full((spec.max_batch * B + 1,), BAD, np.int32)
         self.last_page_len = be.device_full((spec.max_batch,), 0, np.int32)
@@ -318,7 +319,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
         pending = indptr
     else:
         import cupy
-        with st:
+        with be.device_context(), st:
             if indptr is None:
                 indptr = cupy.zeros(n + 1, np.int32)
                 indices = cupy.full(n * B + 1, BAD, np.int32)

@@ -25,6 +25,12 @@ class Fence:
     def is_complete(self) -> bool:
         return self.finished.done()
 
+    def is_finished(self) -> bool:
+        return True
+
+    def wait_finished(self, timeout=None) -> bool:
+        return self.finished.wait(timeout)
+
 
 class StepLedger:
     def __init__(self, pools: Sequence[SlotPool], timeout_s: float):
@@ -86,14 +92,13 @@ class StepLedger:
         if pool.num_available + pool.num_quarantined < need:
             return
         for step in self.in_flight:
-            if self.available(p) >= need or step.finished is None:
+            if self.available(p) >= need or not step.is_finished():
                 return
-            step.finished.wait(self.timeout_s)
+            step.wait_finished(self.timeout_s)
 
     def wait_all(self) -> None:
         for step in list(self.in_flight):
-            if step.finished is not None:
-                step.finished.wait(self.timeout_s)
+            step.wait_finished(self.timeout_s)
 
     def state(self) -> tuple:
         return self.next_id, tuple(s.id for s in self.unsettled)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .allocator import CachingSlotPool, SlotPool
 from .args import accepted_counts, as_count, context_items, generation_tokens, request_ids, salt_bytes, token_ids
-from .backends import make_backend
+from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError)
 from .layout import Layout
@@ -78,12 +78,18 @@ class KVCacheManager:
         one CUDA graph replay per ring slot, mode and bucket instead of separate launches.
     steady_batch_delta: when a decode step has the previous step's batch, row for row, rewrite only the
         output cells whose table entry changed instead of the batch's whole rows.
+    devices: the devices that need the tables (tensor parallelism: every rank reads the same tables),
+        e.g. [0, 1]; default: one, the current CUDA device (or the backend object given). One host
+        manager makes every decision and packs one snapshot per step; each device copies it into its own
+        mirror and builds its own tables, write positions and ready event (step.on(rank), rank = position
+        in this list). CUDA device ids may repeat ([0, 0]: two mirrors on one GPU, how the multi-device
+        path is tested on one GPU); on the host backend they are labels of simulated devices.
     """
 
     def __init__(self, spec: CacheSpec, backend: Union[str, object] = "auto", *, staging: str = "snapshot",
                  ring_slots: int = 4, max_ring_slots: int = 64, staging_timeout_s: float = 10.0,
                  max_steps_in_flight: int = 64, debug_verify_mirror: bool = False, use_graphs: bool = False,
-                 steady_batch_delta: bool = True):
+                 steady_batch_delta: bool = True, devices: Optional[Sequence[int]] = None):
         if not isinstance(spec, CacheSpec):
             raise InvalidSpecError(f"spec={spec!r}: needs a cupykv.CacheSpec")
         if staging not in STAGING_MODES:
@@ -97,7 +103,9 @@ class KVCacheManager:
             raise InvalidSpecError(f"staging_timeout_s={staging_timeout_s!r}: must be a positive number of seconds")
         self.spec = spec
         self.layout = lay = Layout(spec)
-        self.backend = be = make_backend(backend) if isinstance(backend, str) else backend
+        self.backends = make_backends(backend, devices)
+        self.backend = be = self.backends[0]
+        self.devices = [getattr(b, "device_id", 0) for b in self.backends]
         self.staging = staging
         self.debug_verify_mirror = debug_verify_mirror
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
@@ -112,8 +120,8 @@ class KVCacheManager:
                                      lambda: self.ledger.unsettled)
         options = dict(ring_slots=ring_slots, max_ring_slots=max_ring_slots, timeout_s=float(staging_timeout_s),
                        use_graphs=use_graphs, steady_batch_delta=steady_batch_delta)
-        self.pipeline = (UnsafeStaging(lay, be, self.page_table, **options) if staging == "unsafe"
-                         else StepPipeline(lay, be, **options))
+        self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if staging == "unsafe"
+                         else StepPipeline(lay, self.backends, **options))
         self._windowed = [g for g in lay.groups if not g.keeps_every_block]
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self.residence = Residence(self)
@@ -121,7 +129,8 @@ class KVCacheManager:
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
                             frozen(np.zeros((P, 0, 0), np.int32)))
-        be.synchronize()                       # buffers initialised before any step uses them
+        for b in self.backends:
+            b.synchronize()                    # buffers initialised before any step uses them
 
     # -- the buffers consumers and tests read (fixed addresses for the life of the manager) ------------
     table = property(lambda self: self.page_table.array, doc="The host page table, int32 [P, rows, B].")
@@ -263,10 +272,12 @@ class KVCacheManager:
     def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: int) -> _Plan:
         """Validate a step and work out what it needs; changes no state but the validated-list cache."""
         spec, lay, reqs, ledger = self.spec, self.layout, self.requests, self.ledger
-        if ledger.latest is not None and ledger.latest.finished is None:
-            raise StepOrderError(f"step {ledger.latest.id} is not finished: call step.finish(stream) "
-                                 "after its consumer's last read, before preparing the next step "
-                                 "(the next step overwrites its tables)")
+        if ledger.latest is not None and not ledger.latest.is_finished():
+            latest = ledger.latest
+            where = f" on device(s) {latest.unfinished_ranks()}" if len(latest.devices) > 1 else ""
+            raise StepOrderError(f"step {latest.id} is not finished{where}: call step.finish(stream) "
+                                 "(step.on(rank).finish(stream) per device) after its consumer's last read, "
+                                 "before preparing the next step (the next step overwrites its tables)")
         ctx_rows, ctx_tokens, ctx_blocks = [], [], []
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
@@ -348,14 +359,12 @@ class KVCacheManager:
         reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
         step = Step(step_id, plan.ctx_ids + plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
-                    layout=self.layout, backend=self.backend, outputs=self.pipeline.outputs, owner=self,
-                    pad_to=plan.pad_to, moves=reqs.moves)
+                    layout=self.layout, owner=self, pad_to=plan.pad_to, moves=reqs.moves)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
-        # Our writes come after the previous consumer's reads, and after the copy back of any resumed KV.
-        after = [ledger.latest.finished] if ledger.latest is not None else []
-        if self.cache is not None:     # blocks evicted to the host tier are copied out before we write
-            after += self.cache.spill_events()
+        # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
+        # and after the copy back of any resumed KV.
+        after = self.cache.spill_events() if self.cache is not None else []   # evicted blocks copied out first
         loading = set(rows.tolist()) & reqs.loading.keys() if reqs.loading else ()
         after += [reqs.loading[r] for r in loading]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
@@ -510,8 +519,9 @@ class KVCacheManager:
         return self.ledger.steps_in_flight()
 
     def synchronize(self) -> None:
-        """Wait for all work on the backend's streams, then lift the quarantine of finished steps."""
-        self.backend.synchronize()
+        """Wait for all work on every device's streams, then lift the quarantine of finished steps."""
+        for b in self.backends:
+            b.synchronize()
         self.ledger.poll()
 
     # -- introspection -----------------------------------------------------------------------------

@@ -1,27 +1,29 @@
 """The per-step device work over a backend: pack the snapshot, copy it, apply the table deltas to the
 device mirror, build the tables and write positions, record the step's ready event.
 
-Order of one step on the manager stream (everything after the host packing is asynchronous):
+Order of one step (everything after the host packing is asynchronous):
 
     host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending)
-    stream: wait for the previous step's finish event     (its consumer's reads come before our writes)
-            copy the ring slot to its device twin          (reads the pinned slot, never the live table)
+    then, on each device's manager stream (one Mirror per device; one device by default):
+            wait for the previous step's finish on it     (its consumer's reads come before our writes)
+            copy the ring slot to its twin there           (reads the pinned slot, never the live table)
             apply the deltas to the mirror                 (skipped when no table cell changed)
             build the tables and write positions           (FULL: the batch's rows; DELTA: changed cells)
-            record `ready` (also the ring slot's copy event: the slot is reused only after it)
+            record its `ready` (also the twin's copy event: the slot is reused only after every twin's)
 
-With use_graphs the copy, apply and build are one CUDA graph replay instead of three launches.
+Every device gets the same snapshot, so the same mode and the same tables. With use_graphs the copy,
+apply and build are one CUDA graph replay per device instead of three launches.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from .layout import BAD, Layout
 from .staging import (MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, pow2_at_least, pow2_buckets,
                       snapshot_words)
-from .step import Step, StepOutputs
+from .step import DeviceStep, Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
 # step grows its slot (staging.SnapshotRing).
@@ -46,95 +48,125 @@ class KernelConsts:
         self.d_group_null = backend.upload(self.group_null)
 
 
-class StepPipeline:
-    """The device side of a manager: the mirror of the host table, the output buffers, the snapshot ring.
+class Mirror:
+    """One device's side of the pipeline, on its backend: the device mirror of the host table, the output
+    buffers and the kernel constants.
 
     mirror: int32 [P, rows, B]; row_entry: int32 [rows, 2], (epoch, batch entry) of each row in the last
     FULL step's batch (DELTA steps look their cells up there); outputs: the tables and write positions.
     """
 
-    def __init__(self, layout: Layout, backend, *, ring_slots: int, max_ring_slots: int, timeout_s: float,
-                 use_graphs: bool, steady_batch_delta: bool):
+    def __init__(self, layout: Layout, backend, rank: int):
         spec = layout.spec
-        self.backend = be = backend
+        self.rank, self.backend = rank, backend
+        P, rows, B = layout.num_groups, spec.max_batch, layout.max_blocks
+        self.consts = KernelConsts(layout, rows, backend)
+        self.mirror = backend.device_full((P, rows, B), BAD, np.int32)
+        self.row_entry = backend.device_full((rows, 2), -1, np.int32)
+        planes = P if spec.table_mode == "shared" else layout.num_layers
+        self.outputs = StepOutputs(backend.device_full((planes, rows, 2, B), BAD, np.int32),
+                                   backend.device_full((layout.num_layers, spec.step_token_capacity), BAD, np.int32),
+                                   backend.device_full((spec.step_token_capacity,), 0, np.int32))
+
+    def buffers(self) -> tuple:
+        """What the step launches take after the snapshot: mirror, tables, row_entry, write positions, consts."""
+        out = self.outputs
+        return self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts
+
+
+class StepPipeline:
+    """The device side of a manager: the snapshot ring and a Mirror per device (backends: one per device,
+    in KVCacheManager(devices=...) order; device 0's is `backend`)."""
+
+    def __init__(self, layout: Layout, backends: Sequence, *, ring_slots: int, max_ring_slots: int,
+                 timeout_s: float, use_graphs: bool, steady_batch_delta: bool):
+        spec = layout.spec
+        self.backends = list(backends)
+        self.backend = self.backends[0]
         self.use_graphs = use_graphs
         self.steady_batch_delta = steady_batch_delta
         self.shared = spec.table_mode == "shared"
-        P, rows, B = layout.num_groups, spec.max_batch, layout.max_blocks
-        self.consts = KernelConsts(layout, rows, be)
-        self.mirror = be.device_full((P, rows, B), BAD, np.int32)
-        self.row_entry = be.device_full((rows, 2), -1, np.int32)
-        planes = P if self.shared else layout.num_layers
-        self.outputs = StepOutputs(be.device_full((planes, rows, 2, B), BAD, np.int32),
-                                   be.device_full((layout.num_layers, spec.step_token_capacity), BAD, np.int32),
-                                   be.device_full((spec.step_token_capacity,), 0, np.int32))
-        self.ring = SnapshotRing(be, snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS), ring_slots,
+        self.mirrors = [Mirror(layout, be, rank) for rank, be in enumerate(self.backends)]
+        P, rows = layout.num_groups, spec.max_batch
+        self.ring = SnapshotRing(self.backends, snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS), ring_slots,
                                  max_ring_slots, timeout_s)
         self.epoch = 0               # id of the last FULL step: DELTA steps find their batch entries through it
         self.force_full = False      # a launch failed part-way: the outputs may hold anything
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
 
+    # Device 0's buffers (the only ones of a one-device manager).
+    consts = property(lambda self: self.mirrors[0].consts)
+    mirror = property(lambda self: self.mirrors[0].mirror)
+    row_entry = property(lambda self: self.mirrors[0].row_entry)
+    outputs = property(lambda self: self.mirrors[0].outputs)
+
     def acquire(self, words: int):
         """A ring slot for a snapshot of `words` words (may wait for a slot's copy; see SnapshotRing)."""
         return self.ring.acquire(words)
 
     def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, after) -> None:
-        """Enqueue the step's device work on the manager stream, after the events `after` (the previous
-        step's finish, copies of resumed KV); sets step.mode and step.ready. cells/values: the table deltas."""
-        be, st = self.backend, self.backend.stream
-        for event in after:
-            be.wait(st, event)
+        """Enqueue the step's device work on every device's manager stream, each after the previous step's
+        finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.devices
+        and their ready events. cells/values: the table deltas."""
+        step.devices = [DeviceStep(step, m.rank, m.backend, m.outputs) for m in self.mirrors]
+        prev = self._prev.devices if self._prev is not None else ()
+        for view in prev:
+            view.backend.wait(view.backend.stream, view.finished)
+        for m in self.mirrors:
+            for event in after:
+                m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
         cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
         np.cumsum(step.num_tokens, out=cu_tokens[1:])
         self._enqueue(step, slot, cells, values, cu_tokens, allow_delta)
         self.force_full = False
         self._prev = step
-        step.outputs.holder = step.id
+        for m in self.mirrors:
+            m.outputs.holder = step.id
 
     def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
-        be, st, out = self.backend, self.backend.stream, self.outputs
         step.mode = MODE_DELTA if allow_delta and self._steady(step) else MODE_FULL
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch)
         entries, tokens = max(step.num_seqs, step.pad_to), int(cu_tokens[-1])
-        buffers = (self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts)
-        if self.use_graphs:
-            # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers
-            # of two; the kernels read the true counts from the snapshot.
-            copy_words = min(pow2_at_least(max(words, 1024)), slot.capacity)
-            be.launch_step_graph(st, slot, *buffers, self.shared, step.mode,
-                                 min(pow2_at_least(entries), self.consts.max_batch),
-                                 min(pow2_at_least(max(tokens, 256)), out.write_offsets.size), copy_words)
-            self.h2d_bytes_last_step = copy_words * 4
-        else:
-            be.copy_h2d(slot.dev, slot.host, words, st)
-            self.h2d_bytes_last_step = words * 4
-            if len(cells):      # a steady decode step often changes no cell: one launch fewer
-                be.apply_deltas(st, slot.dev, self.mirror, self.consts, num_values=len(cells))
-            be.build_step(st, slot.dev, *buffers, self.shared, step.mode, num_entries=entries,
-                          num_values=len(cells), num_tokens=tokens)
-        # One event for both: the slot's copy is done when the step is (an event between the copy and the
-        # kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-        step.ready = slot.copied = be.record(st)
+        # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers of
+        # two; the kernels read the true counts from the snapshot.
+        copy_words = min(pow2_at_least(max(words, 1024)), slot.capacity) if self.use_graphs else words
+        for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
+            be, st = m.backend, m.backend.stream
+            if self.use_graphs:
+                be.launch_step_graph(st, twin, *m.buffers(), self.shared, step.mode,
+                                     min(pow2_at_least(entries), m.consts.max_batch),
+                                     min(pow2_at_least(max(tokens, 256)), m.outputs.write_offsets.size), copy_words)
+            else:
+                be.copy_h2d(twin.dev, slot.host, words, st)
+                if len(cells):      # a steady decode step often changes no cell: one launch fewer
+                    be.apply_deltas(st, twin.dev, m.mirror, m.consts, num_values=len(cells))
+                be.build_step(st, twin.dev, *m.buffers(), self.shared, step.mode, num_entries=entries,
+                              num_values=len(cells), num_tokens=tokens)
+            # One event for both: the twin's copy is done when the step is (an event between the copy and
+            # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
+            view.ready = twin.copied = be.record(st)
+        self.h2d_bytes_last_step = copy_words * 4 * len(self.mirrors)
         if step.mode == MODE_FULL:
             self.epoch = step.id
 
     def capture_graphs(self) -> int:
-        """Capture now every step graph the ring slots can need (CUDA backend with use_graphs; 0 elsewhere),
-        with the buckets the steps round to; returns how many were captured."""
-        capture = getattr(self.backend, "capture_step_graphs", None)
-        if capture is None or not self.use_graphs:
-            return 0
-        out = self.outputs
-        return capture(self.ring.slots, self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets,
-                       self.consts, self.shared, pow2_buckets(1, self.consts.max_batch),
-                       pow2_buckets(256, out.write_offsets.size))
+        """Capture now every step graph the ring slots can need on every device (CUDA backend with
+        use_graphs; 0 elsewhere), with the buckets the steps round to; returns how many were captured."""
+        captured = 0
+        for m in self.mirrors:
+            capture = getattr(m.backend, "capture_step_graphs", None)
+            if capture is None or not self.use_graphs:
+                continue
+            captured += capture([s.twins[m.rank] for s in self.ring.slots], *m.buffers(), self.shared,
+                                pow2_buckets(1, m.consts.max_batch), pow2_buckets(256, m.outputs.write_offsets.size))
+        return captured
 
     def _steady(self, step: Step) -> bool:
-        """True when the output already holds this batch's rows (the previous step's, row for row, no
+        """True when the outputs already hold this batch's rows (the previous step's, row for row, no
         contexts in either, same padding): only changed cells need rewriting."""
         prev = self._prev
         return (self.steady_batch_delta and prev is not None and prev.mode is not None
@@ -142,47 +174,51 @@ class StepPipeline:
                 and (prev.rows is step.rows or np.array_equal(prev.rows, step.rows)))
 
     def verify_mirror(self, table) -> None:
-        """Debug: wait for the manager stream and check the mirror against the host table (a PageTable).
-        Cells logged since the last prepare are skipped: the mirror holds their value at that prepare."""
-        self.backend.stream.synchronize()
-        mirror = self.backend.to_numpy(self.mirror).reshape(-1)
-        ok = np.ones(mirror.size, bool)
-        ok[table.logged()] = False
-        bad = np.flatnonzero(ok & (mirror != table.flat))
-        if len(bad):
-            raise AssertionError(f"device mirror differs from the host table at {len(bad)} cells, "
-                                 f"first flat index {int(bad[0])}")
+        """Debug: wait for each device's manager stream and check its mirror against the host table (a
+        PageTable). Cells logged since the last prepare are skipped: the mirrors hold their value at that
+        prepare."""
+        for m in self.mirrors:
+            m.backend.stream.synchronize()
+            mirror = m.backend.to_numpy(m.mirror).reshape(-1)
+            ok = np.ones(mirror.size, bool)
+            ok[table.logged()] = False
+            bad = np.flatnonzero(ok & (mirror != table.flat))
+            if len(bad):
+                raise AssertionError(f"device {m.rank}'s mirror differs from the host table at {len(bad)} cells, "
+                                     f"first flat index {int(bad[0])}")
 
 
 class UnsafeStaging(StepPipeline):
     """UNSAFE, for the race tests only: the step's metadata from a pinned pool array dropped right after
-    enqueue, and the mirror copied whole from the live host table. Both are read when the copies run, not
+    enqueue, and each mirror copied whole from the live host table. Both are read when the copies run, not
     at prepare, which is the race cupykv exists to prevent; the race tests prove they catch it here."""
 
-    def __init__(self, layout: Layout, backend, table, **kw):
-        super().__init__(layout, backend, **kw)
+    def __init__(self, layout: Layout, backends: Sequence, table, **kw):
+        super().__init__(layout, backends, **kw)
         self.table = table.array            # the live host table
         self.max_batch, self.num_groups = layout.spec.max_batch, layout.num_groups
-        self._dev = None
+        self._dev: List = [None] * len(self.mirrors)
 
     def acquire(self, words: int):
         return None
 
     def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
-        be, st, out = self.backend, self.backend.stream, self.outputs
         # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
         # pinned allocation of that size class) gets the block the previous one dropped.
         words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,
                                max(16, step.scratch_slots.shape[2]), 0, 0)
-        tmp = be.pinned_temp(words)
+        tmp = self.backend.pinned_temp(words)
         empty = np.empty(0, np.int64)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
                               empty, empty, cu_tokens, step.start_positions, epoch=step.id)
-        if self._dev is None or len(self._dev) < words:
-            self._dev = be.device_empty(max(words, 4096))
-        be.copy_h2d(self._dev, tmp, words, st)
-        be.copy_h2d(self.mirror, self.table, self.table.size, st)
-        self.h2d_bytes_last_step = (words + self.table.size) * 4
-        be.build_step(st, self._dev, self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets,
-                      self.consts, self.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
-        step.ready = be.record(st)
+        for m, view in zip(self.mirrors, step.devices):
+            be, st, out = m.backend, m.backend.stream, m.outputs
+            if self._dev[m.rank] is None or len(self._dev[m.rank]) < words:
+                self._dev[m.rank] = be.device_empty(max(words, 4096))
+            dev = self._dev[m.rank]
+            be.copy_h2d(dev, tmp, words, st)
+            be.copy_h2d(m.mirror, self.table, self.table.size, st)
+            be.build_step(st, dev, m.mirror, out.tables, m.row_entry, out.write_pages, out.write_offsets, m.consts,
+                          self.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
+            view.ready = be.record(st)
+        self.h2d_bytes_last_step = (words + self.table.size) * 4 * len(self.mirrors)

@@ -20,7 +20,7 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import numpy as np
 
@@ -146,13 +146,31 @@ def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
         cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n))
 
 
-class RingSlot:
-    """One pinned snapshot buffer, its device twin, and the event after its last copy."""
+class SlotTwin:
+    """A ring slot as one device sees it: the slot's pinned buffer (shared by every device), this device's
+    copy of it, and the event after this device's last copy of it. What the backends' step launches take."""
 
-    def __init__(self, backend, words: int):
-        self.host = backend.pinned_empty(words)
+    __slots__ = ("slot", "dev", "copied")
+
+    def __init__(self, slot: "RingSlot", backend, words: int):
+        self.slot = slot
         self.dev = backend.device_empty(words)
         self.copied = None          # event recorded after the last copy that read `host` (the step's ready)
+
+    host = property(lambda self: self.slot.host)
+    capacity = property(lambda self: self.slot.capacity)
+
+    def busy(self) -> bool:
+        return self.copied is not None and not self.copied.done()
+
+
+class RingSlot:
+    """One pinned snapshot buffer and its twin on each device (KVCacheManager(devices=...); one device
+    by default). The buffer is written again only after every twin's copy of it has completed."""
+
+    def __init__(self, backends: Sequence, words: int):
+        self.host = backends[0].pinned_empty(words)
+        self.twins = [SlotTwin(self, be, words) for be in backends]
         self.retired: List = []     # outgrown device buffers kernels may still read; kept alive
 
     @property
@@ -160,22 +178,27 @@ class RingSlot:
         return len(self.host)
 
     def busy(self) -> bool:
-        return self.copied is not None and not self.copied.done()
+        return any(t.busy() for t in self.twins)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Host wait for every twin's copy; False when one did not complete within timeout_s."""
+        return all(t.copied is None or t.copied.wait(timeout_s) for t in self.twins)
 
 
 class SnapshotRing:
-    """Pinned snapshot slots, reused only once their copy event has completed.
+    """Pinned snapshot slots, reused only once every device's copy event has completed.
 
     When every slot is in flight the ring grows, up to max_slots; then it waits for the oldest slot,
     up to timeout_s, and raises StagingExhaustedError. It never hands out a busy slot.
     """
 
-    def __init__(self, backend, words: int, initial_slots: int = 4, max_slots: int = 64, timeout_s: float = 10.0):
-        self.backend = backend
+    def __init__(self, backends: Sequence, words: int, initial_slots: int = 4, max_slots: int = 64,
+                 timeout_s: float = 10.0):
+        self.backends = list(backends)
         self.words = words
         self.max_slots = max_slots
         self.timeout_s = timeout_s
-        self.slots: List[RingSlot] = [RingSlot(backend, words) for _ in range(initial_slots)]
+        self.slots: List[RingSlot] = [RingSlot(self.backends, words) for _ in range(initial_slots)]
         self._next = 0
 
     def acquire(self, words: int) -> RingSlot:
@@ -186,11 +209,11 @@ class SnapshotRing:
                 self._next = (self._next + k + 1) % n
                 return self._fit(slot, words)
         if n < self.max_slots:
-            slot = RingSlot(self.backend, max(words, self.words))
+            slot = RingSlot(self.backends, max(words, self.words))
             self.slots.append(slot)
             return slot
         oldest = self.slots[self._next]
-        if not oldest.copied.wait(self.timeout_s):
+        if not oldest.wait(self.timeout_s):
             raise StagingExhaustedError(
                 f"all {n} snapshot slots are still being copied after {self.timeout_s} s; is the manager "
                 f"stream blocked (a gate, a consumer event that never completes)?")
@@ -199,12 +222,13 @@ class SnapshotRing:
 
     def _fit(self, slot: RingSlot, words: int) -> RingSlot:
         if words > slot.capacity:
-            # The slot's copy has completed, so its pinned buffer may go; kernels may still read the
-            # device buffer, so that one is retired, not dropped.
+            # Every copy of the slot has completed, so its pinned buffer may go; kernels may still read the
+            # device buffers, so those are retired, not dropped.
             new = max(words, 2 * slot.capacity)
-            slot.host = self.backend.pinned_empty(new)
-            slot.retired.append(slot.dev)
-            slot.dev = self.backend.device_empty(new)
+            slot.host = self.backends[0].pinned_empty(new)
+            for twin, be in zip(slot.twins, self.backends):
+                slot.retired.append(twin.dev)
+                twin.dev = be.device_empty(new)
         return slot
 
     def in_flight(self) -> int:

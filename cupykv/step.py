@@ -1,8 +1,9 @@
 """Step: the record of one prepared batch: what it schedules, where its outputs are, and its events.
 
-A Step needs no manager: it carries the layout and backend its buffers belong to, and the output
-buffers themselves (StepOutputs, fixed addresses shared by every step of one manager). Consumers
-(interop, storage, attention kernels) take everything they need from it.
+A Step needs no manager: it carries the layout, and per device (KVCacheManager(devices=[...])) a
+DeviceStep with that device's backend, output buffers (StepOutputs, fixed addresses shared by every step
+of one manager), ready event and consumer finish. Consumers (interop, storage, attention kernels) take
+everything they need from it: a Step itself reads as its first device's view, step.on(rank) is rank's.
 """
 from __future__ import annotations
 
@@ -31,56 +32,32 @@ class StepOutputs:
         self.holder = -1             # id of the step whose outputs these buffers hold (the latest prepared)
 
 
-class Step:
-    """One prepared step.
+class DeviceStep:
+    """One device's part of a step: that device's output buffers, its ready event and its consumer's
+    finish. Everything else (the batch, the layout, the id) is the step's: attributes it does not hold
+    are read from the step, so a DeviceStep goes wherever a Step does (interop, KVStorage.write).
 
-    Batch order is contexts first, then generation entries. Consumers wait on `ready` before reading
-    `tables` (or `write_pages` / `write_offsets`) and call finish(stream) after their last read; the
-    next step's conversion waits for that.
+    Consumers on this device wait on `ready` before reading its tables and call finish(stream) after
+    their last read; the step counts as complete once every device's finish has completed.
     """
 
-    def __init__(self, step_id: int, request_ids: List[Hashable], rows: np.ndarray, incarnations: np.ndarray,
-                 tokens: np.ndarray, starts: np.ndarray, num_contexts: int, *, layout, backend,
-                 outputs: StepOutputs, owner: object, pad_to: int = 0, moves: int = 0):
-        self.id = step_id
-        self.request_ids = request_ids              # batch order, contexts first
-        self.rows = rows                            # int32 [num_seqs]: table row of each entry (= copy_idx)
-        self.incarnations = incarnations            # int64 [num_seqs]: which tenant of the row each entry was
-        self.num_tokens = tokens                    # int64 [num_seqs]: tokens scheduled per entry
-        self.start_positions = starts               # int64 [num_seqs]: position of each entry's first new token
-        self.num_contexts = num_contexts
-        self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD (or the null page)
-        self.moves = moves                          # the request table's move count at prepare (see settle)
-        self.layout = layout                        # cupykv.Layout of the manager
-        self.backend = backend                      # the backend whose streams and events order this step
+    __slots__ = ("step", "rank", "backend", "outputs", "ready", "finished")
+
+    def __init__(self, step: "Step", rank: int, backend, outputs: StepOutputs):
+        self.step = step
+        self.rank = rank                 # the device's position in KVCacheManager(devices=...)
+        self.backend = backend           # the backend whose streams and events order this device's work
         self.outputs = outputs
-        self.owner = owner                          # identity of the preparing manager (compared, never used)
-        self.ready = None                           # event: tables and write positions are written
-        self.finished = None                        # event: the consumer's last read
-        self.settled = False
-        self.mode: Optional[int] = None             # staging.MODE_FULL or MODE_DELTA (None: unsafe staging)
-        # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
-        self.scratch_begs: Optional[np.ndarray] = None     # int32 [P, num_contexts]
-        self.scratch_ends: Optional[np.ndarray] = None     # int32 [P, num_contexts]
-        self.scratch_slots: Optional[np.ndarray] = None    # int32 [P, num_contexts, M]
+        self.ready = None                # event: this device's tables and write positions are written
+        self.finished = None             # event: this device's consumer's last read
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.rows)
-
-    @property
-    def total_tokens(self) -> int:
-        return int(self.num_tokens.sum())
-
-    @property
-    def is_current(self) -> bool:
-        """True while the output buffers hold this step's outputs (until the next prepare_batch)."""
-        return self.outputs.holder == self.id
+    def __getattr__(self, name):
+        return getattr(self.step, name)
 
     @property
     def tables(self):
-        """The output buffer (fixed address): int32 [L, max_batch, 2, B] PER_LAYER or [P, max_batch, 2, B]
-        SHARED. Rows < num_seqs belong to this step until the next step is prepared."""
+        """This device's output buffer (fixed address): int32 [L, max_batch, 2, B] PER_LAYER or
+        [P, max_batch, 2, B] SHARED. Rows < num_seqs belong to this step until the next step is prepared."""
         return self.outputs.tables
 
     @property
@@ -94,22 +71,121 @@ class Step:
         """int32 [max_step_tokens]: position of each new token inside its page."""
         return self.outputs.write_offsets
 
+    @property
+    def is_current(self) -> bool:
+        """True while this device's output buffers hold this step's outputs (until the next prepare)."""
+        return self.outputs.holder == self.step.id
+
+    def finish(self, stream=None) -> None:
+        """Record that this device's consumer is done reading: an event on `stream` (a stream of this
+        device's backend; default its manager stream, right only for a consumer that waited on `ready`
+        on the host or reads on the manager stream)."""
+        if self.finished is not None:
+            raise StepOrderError(f"step {self.step.id} was already finished on device {self.rank}")
+        be = self.backend
+        self.finished = be.record(stream if stream is not None else be.stream)
+
+    def is_complete(self) -> bool:
+        return self.finished is not None and self.finished.done()
+
+    def on(self, rank: int) -> "DeviceStep":
+        return self.step.on(rank)
+
+    def __repr__(self) -> str:
+        return f"DeviceStep(id={self.step.id}, rank={self.rank})"
+
+
+class Step:
+    """One prepared step.
+
+    Batch order is contexts first, then generation entries. Consumers wait on `ready` before reading
+    `tables` (or `write_pages` / `write_offsets`) and call finish(stream) after their last read; the
+    next step's conversion waits for that. With several devices each has its own tables, events and
+    finish: step.on(rank) (a DeviceStep); `ready`, `tables`, ... of the Step are device 0's.
+    """
+
+    def __init__(self, step_id: int, request_ids: List[Hashable], rows: np.ndarray, incarnations: np.ndarray,
+                 tokens: np.ndarray, starts: np.ndarray, num_contexts: int, *, layout, owner: object,
+                 pad_to: int = 0, moves: int = 0):
+        self.id = step_id
+        self.request_ids = request_ids              # batch order, contexts first
+        self.rows = rows                            # int32 [num_seqs]: table row of each entry (= copy_idx)
+        self.incarnations = incarnations            # int64 [num_seqs]: which tenant of the row each entry was
+        self.num_tokens = tokens                    # int64 [num_seqs]: tokens scheduled per entry
+        self.start_positions = starts               # int64 [num_seqs]: position of each entry's first new token
+        self.num_contexts = num_contexts
+        self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD (or the null page)
+        self.moves = moves                          # the request table's move count at prepare (see settle)
+        self.layout = layout                        # cupykv.Layout of the manager
+        self.owner = owner                          # identity of the preparing manager (compared, never used)
+        self.devices: List[DeviceStep] = []         # per device, in KVCacheManager(devices=...) order (the pipeline's)
+        self.settled = False
+        self.mode: Optional[int] = None             # staging.MODE_FULL or MODE_DELTA (None: unsafe staging)
+        # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
+        self.scratch_begs: Optional[np.ndarray] = None     # int32 [P, num_contexts]
+        self.scratch_ends: Optional[np.ndarray] = None     # int32 [P, num_contexts]
+        self.scratch_slots: Optional[np.ndarray] = None    # int32 [P, num_contexts, M]
+
+    def on(self, rank: int) -> DeviceStep:
+        """The step on one device: rank is the device's position in KVCacheManager(devices=...)."""
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < len(self.devices):
+            raise IndexError(f"step {self.id}: rank={rank!r}; the manager has {len(self.devices)} device(s)")
+        return self.devices[int(rank)]
+
+    # Device 0's view (the only one of a one-device manager).
+    backend = property(lambda self: self.devices[0].backend)
+    outputs = property(lambda self: self.devices[0].outputs)
+    ready = property(lambda self: self.devices[0].ready, doc="Device 0's ready event.")
+    tables = property(lambda self: self.devices[0].tables, doc=DeviceStep.tables.__doc__)
+    write_pages = property(lambda self: self.devices[0].write_pages, doc=DeviceStep.write_pages.__doc__)
+    write_offsets = property(lambda self: self.devices[0].write_offsets, doc=DeviceStep.write_offsets.__doc__)
+    is_current = property(lambda self: self.devices[0].is_current, doc=DeviceStep.is_current.__doc__)
+
+    @property
+    def finished(self):
+        """Device 0's finish event (None until recorded); see is_finished() for every device."""
+        return self.devices[0].finished
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.rows)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.num_tokens.sum())
+
     def finish(self, stream=None) -> None:
         """Record that the consumer is done reading: an event on `stream` after its last read.
 
         The default, the manager stream, is right only for a consumer that reads on the host after
         waiting on `ready` (or on the manager stream itself). A consumer on another stream must pass it
         (a backend stream; for a torch stream use cupykv.interop.finish_on_torch): the next step's
-        conversion and the release of quarantined slots wait for this event.
+        conversion and the release of quarantined slots wait for this event. With several devices, a
+        stream belongs to one of them: call step.on(rank).finish(stream) for each; finish() without a
+        stream finishes every device on its manager stream.
         """
-        if self.finished is not None:
+        if stream is not None and len(self.devices) > 1:
+            raise StepOrderError(f"step {self.id} runs on {len(self.devices)} devices: finish each with "
+                                 "step.on(rank).finish(stream)")
+        if any(d.finished is not None for d in self.devices):
             raise StepOrderError(f"step {self.id} was already finished")
-        be = self.backend
-        self.finished = be.record(stream if stream is not None else be.stream)
+        for d in self.devices:
+            d.finish(stream)
+
+    def is_finished(self) -> bool:
+        """True once every device's finish was recorded (not necessarily completed)."""
+        return all(d.finished is not None for d in self.devices)
+
+    def unfinished_ranks(self) -> List[int]:
+        return [d.rank for d in self.devices if d.finished is None]
 
     def is_complete(self) -> bool:
-        """True once the finish event has completed (the step's slots may then be reused)."""
-        return self.finished is not None and self.finished.done()
+        """True once every device's finish event has completed (the step's slots may then be reused)."""
+        return all(d.is_complete() for d in self.devices)
+
+    def wait_finished(self, timeout: Optional[float] = None) -> bool:
+        """Host wait for every device's recorded finish event; False when one did not complete in time."""
+        return all(d.finished.wait(timeout) for d in self.devices if d.finished is not None)
 
     def __repr__(self) -> str:
         return f"Step(id={self.id}, num_seqs={self.num_seqs}, num_contexts={self.num_contexts})"

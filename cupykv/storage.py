@@ -115,14 +115,26 @@ class KVStorage:
 
     KVStorage(manager) uses the manager's layout, backend and spec dtype; KVStorage(layout, backend,
     dtype) makes storage without a manager (write() then needs no step; use the arrays directly).
+
+    rank: with a multi-device manager (KVCacheManager(devices=[...])), the device this storage lives on
+    (its position in `devices`). Each rank holds its share of the KV heads, num_kv_heads // len(devices)
+    (tensor parallelism splits heads; every rank has the same slots and page indices), and writes at the
+    write positions of step.on(rank).
     """
 
-    def __init__(self, manager_or_layout, backend=None, dtype=None, *, host_tier_bytes: Optional[int] = None):
+    def __init__(self, manager_or_layout, backend=None, dtype=None, *, host_tier_bytes: Optional[int] = None,
+                 rank: int = 0):
         from .manager import KVCacheManager
+        self.rank, world = 0, 1
         if isinstance(manager_or_layout, KVCacheManager):
             self.manager: Optional[KVCacheManager] = manager_or_layout
             self.layout: Layout = manager_or_layout.layout
-            backend = backend if backend is not None else manager_or_layout.backend
+            world = len(manager_or_layout.backends)
+            self.rank = as_count(rank, "KVStorage: rank", maximum=world - 1)
+            if backend is not None and backend is not manager_or_layout.backends[self.rank]:
+                raise InvalidRequestError("KVStorage(manager, backend): the backend must be the manager's "
+                                          "(or leave it out)")
+            backend = manager_or_layout.backends[self.rank]
         elif isinstance(manager_or_layout, Layout):
             self.manager = None
             self.layout = manager_or_layout
@@ -138,7 +150,13 @@ class KVStorage:
         spec = self.layout.spec
         self.dtype = resolve_dtype(dtype if dtype is not None else spec.dtype, self.xp)
         self.tokens_per_block = self.layout.tpb
-        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        if spec.num_kv_heads % world:
+            raise InvalidSpecError(f"KVStorage: num_kv_heads={spec.num_kv_heads} does not split evenly over "
+                                   f"{world} devices")
+        if host_tier_bytes is not None and world > 1:
+            raise InvalidSpecError("KVStorage(host_tier_bytes=...): the host tier serves one-device managers "
+                                   f"only; this manager has {world} devices")
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads // world, spec.head_dim
         self.arrays: List = []
         for g, slots in zip(self.layout.groups, self.layout.slots_per_group):
             shape = (slots, g.scale, self.tokens_per_block, self.num_kv_heads, self.head_dim)
@@ -228,8 +246,9 @@ class KVStorage:
         Tokens whose write page is BAD or out of range are skipped and counted (see errors()).
         """
         mgr = self.manager
-        if mgr is None or getattr(step, "outputs", None) is not mgr.outputs:
+        if getattr(step, "owner", None) is not mgr or mgr is None:
             raise StepOrderError("KVStorage.write: the step must come from the manager this storage was made for")
+        step = self._view(step)
         if not step.is_current:
             raise StepOrderError(f"KVStorage.write: step {step.id} is not the latest prepared step; its write "
                                  "positions were overwritten by a later prepare_batch")
@@ -256,7 +275,7 @@ class KVStorage:
                              dst, n)
             return
         import cupy
-        with st:      # DLPack orders st after the producer's stream; the conversions run on st
+        with be.device_context(), st:      # DLPack orders st after the producer's stream; the conversions run on st
             kd, vd = (storage_words(cupy, self._device_array(a), src, self.dtype.name)
                       for a, src in zip((k, v), sources))
         be.write_kv(st, pages, offsets, kd, vd, dst, n, self.tokens_per_block, self._errors)
@@ -281,6 +300,7 @@ class KVStorage:
         Ordered on `stream` (default the manager stream) after the work already enqueued there; on the host
         backend this waits for it."""
         be = self.backend
+        step = self._view(step)
         n = int(np.sum(step.num_tokens))
         st = be.stream if stream is None else self._stream(stream)
         # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
@@ -292,7 +312,7 @@ class KVStorage:
             p = step.write_pages[int(layer), :n].astype(np.int64)
             o = step.write_offsets[:n].astype(np.int64)
             return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
-        with st:
+        with be.device_context(), st:
             p = step.write_pages[int(layer), :n]
             o = step.write_offsets[:n]
             return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
@@ -303,11 +323,19 @@ class KVStorage:
         return int(self.backend.to_numpy(self._errors)[0])
 
     # -- internals -------------------------------------------------------------------------------
+    def _view(self, step):
+        """The step as this storage's device sees it (step.on(rank)); a DeviceStep must be of that rank."""
+        if hasattr(step, "devices"):
+            return step.on(self.rank) if step.devices else step
+        if getattr(step, "rank", self.rank) != self.rank:
+            raise StepOrderError(f"this KVStorage is device {self.rank}'s; got step.on({step.rank})")
+        return step
+
     def _zeros(self, shape, dtype=None):
         dtype = self.dtype if dtype is None else dtype
         if self.xp is np:
             return np.zeros(shape, dtype)
-        with self.backend.stream:     # allocation and memset in manager-stream order (cupy-pitfalls)
+        with self.backend.device_context(), self.backend.stream:     # allocation and memset in manager-stream order (cupy-pitfalls)
             return self.xp.zeros(shape, dtype)
 
     def _sync(self) -> None:

@@ -182,9 +182,9 @@ BURST = (({"p0": 40}, []),                                      # batch buckets 
          ({}, list(PROMPTS)))
 
 
-def gated_burst(mgr) -> dict:
+def gated_burst(mgr, gate_s: float = GATE_S, join_s: float = JOIN_S) -> dict:
     """Run BURST behind a gate (see above) and report what prepare_batch saw. Keys: blocked (the thread was
-    still in the burst after JOIN_S), blocked_in (its stack then: the call that waited), seen (per step:
+    still in the burst after join_s), blocked_in (its stack then: the call that waited), seen (per step:
     [ready done, gate timed out] when prepare_batch returned), timed_out, mismatches (steps whose tables
     differ from the reference), new_graphs."""
     be = mgr.backend
@@ -192,7 +192,7 @@ def gated_burst(mgr) -> dict:
         mgr.add(rid, n)
     cap = Capture(mgr).reserve(len(BURST))
     graphs_before = graph_count(be)
-    gate = be.gate(be.stream, timeout_s=GATE_S) if be.name == "cuda" else be.gate(be.stream)
+    gate = be.gate(be.stream, timeout_s=gate_s) if be.name == "cuda" else be.gate(be.stream)
     seen, errors = [], []
 
     def schedule():
@@ -207,7 +207,7 @@ def gated_burst(mgr) -> dict:
 
     worker = threading.Thread(target=schedule, daemon=True)
     worker.start()
-    worker.join(JOIN_S)
+    worker.join(join_s)
     blocked = worker.is_alive()
     frame = sys._current_frames().get(worker.ident) if blocked else None
     blocked_in = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else ""
@@ -271,6 +271,20 @@ def test_first_capture_in_a_fresh_process_does_not_wait_for_the_device():
     check_burst(result, new_graphs=len(BURST))
 
 
+def test_a_kernel_module_loaded_behind_the_gate_blocks_prepare():
+    """The variant without the fix blocks: the same burst in a fresh process whose backend loads its step
+    module on first use (CudaBackend(preload=False), the loading of before the fix). The first capture
+    then loads the module (cuModuleLoadData) while the gate holds the manager stream, and the driver makes
+    the host wait for the gate: check_burst must fail on it. This is what makes the test above a test."""
+    backend_or_skip("cuda")
+    result = run_fresh_process("--no-preload", "--gate-s", "8", "--join-s", "4")
+    assert result["loading"]["before"]["kernels"] == {}, "the step module was loaded before the gate closed"
+    with pytest.raises(AssertionError, match="waited for the gated manager stream"):
+        check_burst(result, new_graphs=len(BURST))
+    assert result["timed_out"], "the blocked prepare_batch returned before the gate let go"
+    assert result["mismatches"] == [], f"steps with wrong tables once the gate let go: {result['mismatches']}"
+
+
 def test_graphs_captured_up_front_leave_prepare_nothing_to_capture():
     """capture_step_graphs covers every graph the pipeline asks for: the gated burst and a workload of
     shrinking batches, steady (DELTA) and FULL steps capture nothing more, and every table is right."""
@@ -304,17 +318,15 @@ def run_fresh_process(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def fresh_process_report(preload: bool) -> dict:
+def fresh_process_report(preload: bool, gate_s: float = GATE_S, join_s: float = JOIN_S) -> dict:
     """gated_burst in this process, with a new backend, plus the driver's loading state of the kernels
-    before and after. preload=False is the loading of before the fix: the step module is compiled and its
-    functions looked up before the first capture, but the driver finishes loading them only when the
-    first graph is instantiated, behind the gate."""
+    before and after. preload=False is the loading of before the fix: nothing loads the step module before
+    the first prepare_batch, which loads it (compile, cuModuleLoadData) behind the gate."""
     from cupykv.backends.cuda import CudaBackend
     be = CudaBackend(preload=preload)
     mgr = cupykv.KVCacheManager(make_spec(), backend=be, use_graphs=True)
-    be.load_kernels("step")
     before = be.kernel_loading_state()
-    result = gated_burst(mgr)
+    result = gated_burst(mgr, gate_s, join_s)
     result["loading"] = {"before": before, "after": be.kernel_loading_state()}
     return result
 
@@ -396,9 +408,16 @@ def probe_host_waits() -> dict:
 
 
 if __name__ == "__main__":
-    # python tests/test_graphs.py [--no-preload | --probe]: the fresh-process burst (one JSON line); with
-    # --no-preload, the kernel loading from before the fix; --probe: probe_host_waits().
+    # python tests/test_graphs.py [--no-preload] [--gate-s S] [--join-s S] | --probe: the fresh-process
+    # burst (one JSON line); with --no-preload, the kernel loading from before the fix; --probe:
+    # probe_host_waits().
     if "--probe" in sys.argv[1:]:
         print(json.dumps(probe_host_waits()))
     else:
-        print(json.dumps(fresh_process_report(preload="--no-preload" not in sys.argv[1:])))
+        argv = sys.argv[1:]
+
+        def seconds(flag: str, default: float) -> float:
+            return float(argv[argv.index(flag) + 1]) if flag in argv else default
+
+        print(json.dumps(fresh_process_report("--no-preload" not in argv, seconds("--gate-s", GATE_S),
+                                              seconds("--join-s", JOIN_S))))

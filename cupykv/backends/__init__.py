@@ -7,6 +7,10 @@ once against that interface.
 """
 from __future__ import annotations
 
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
 from ..errors import BackendUnavailableError, InvalidSpecError
 
 
@@ -22,17 +26,56 @@ def cuda_available() -> bool:
         return False
 
 
-def make_backend(name: str = "auto"):
-    """'cuda', 'host' or 'auto' (cuda when a GPU is usable, host otherwise)."""
+def make_backend(name: str = "auto", device: Optional[int] = None):
+    """'cuda', 'host' or 'auto' (cuda when a GPU is usable, host otherwise); device: the CUDA device
+    (default: the current one)."""
+    return make_backends(name, None if device is None else [device])[0]
+
+
+def make_backends(backend: Union[str, object] = "auto", devices: Optional[Sequence[int]] = None) -> list:
+    """One backend per device of `devices` (None: one, on the current device).
+
+    backend: 'cuda', 'host', 'auto', or a backend object (only with devices=None or one device: it is
+    that device's). On the host backend the devices are simulated: one SimDevice runs every rank's
+    streams, so a stream of one rank can wait for an event of another, as on GPUs.
+    """
+    ids = _device_ids(devices)
+    if not isinstance(backend, str):
+        if ids is not None and len(ids) > 1:
+            raise InvalidSpecError(f"devices={list(devices)}: pass backend by name ('cuda', 'host', 'auto'); "
+                                   "a backend object serves one device")
+        return [backend]
+    name = backend
     if name == "auto":
         name = "cuda" if cuda_available() else "host"
     if name == "host":
-        from .host import HostBackend
-        return HostBackend()
+        from .host import HostBackend, SimDevice
+        sim = SimDevice()
+        return [HostBackend(device=sim, device_id=d) for d in (ids or [0])]
     if name == "cuda":
         if not cuda_available():
             raise BackendUnavailableError("backend='cuda' needs CuPy and a CUDA GPU; none is usable here "
                                           "(install cupykv[cuda12] or [cuda13], or use backend='host')")
-        from .cuda import CudaBackend
-        return CudaBackend()
+        from .cuda import CudaBackend, device_count
+        count = device_count()
+        for d in ids or ():
+            if d >= count:
+                raise InvalidSpecError(f"devices={list(devices)}: device {d} does not exist (this machine has "
+                                       f"{count} CUDA device(s))")
+        return [CudaBackend(device=d) for d in (ids or [None])]
     raise InvalidSpecError(f"backend={name!r}: must be 'cuda', 'host' or 'auto'")
+
+
+def _device_ids(devices) -> Optional[List[int]]:
+    """devices as a list of non-negative ints (numpy ints too); None stays None."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise InvalidSpecError(f"devices={devices!r}: must be a list of device ids, e.g. [0, 1]")
+    ids = list(devices)
+    if not ids:
+        raise InvalidSpecError("devices=[]: needs at least one device")
+    for d in ids:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+            raise InvalidSpecError(f"devices={ids}: {d!r} is not a device id (a non-negative integer)")
+    return [int(d) for d in ids]

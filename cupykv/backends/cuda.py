@@ -164,6 +164,11 @@ def module_loading_mode() -> Optional[str]:
     return "lazy" if mode.value == _CU_MODULE_LAZY_LOADING else "eager"
 
 
+def device_count() -> int:
+    """CUDA devices this process can see."""
+    return int(runtime.getDeviceCount())
+
+
 def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
               num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
@@ -193,6 +198,9 @@ def _require_device(arr, name: str, align: int = 4) -> None:
 class CudaBackend:
     """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
 
+    device: the CUDA device (default: the current one). Every allocation, event and launch of this backend
+    happens on it (the backend makes it current for the call and restores the previous one), and its
+    kernels are compiled and loaded there; copies and stream waits need no current device.
     preload: compile (once per process; CuPy's disk cache after that) and fully load the step kernels now,
     and fully load every module when it is first loaded (load_kernels), so that no prepare_batch, eager or
     graph-capturing, loads a kernel while other work holds the device. False is the behaviour before
@@ -203,13 +211,14 @@ class CudaBackend:
     name = "cuda"
     xp = cupy
 
-    def __init__(self, preload: bool = True):
+    def __init__(self, preload: bool = True, device: Optional[int] = None):
         self.preload = bool(preload)
-        self.device_id = cupy.cuda.Device().id
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        # Made now, not at the first capture: that capture may come while another stream is held, and
-        # nothing that can wait for the device may run then.
-        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        self.device_id = cupy.cuda.Device(device).id
+        with self.device_context():
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            # Made now, not at the first capture: that capture may come while another stream is held, and
+            # nothing that can wait for the device may run then.
+            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._streams: "weakref.WeakSet[cupy.cuda.Stream]" = weakref.WeakSet()
         self._modules: Dict[str, Dict[str, cupy.RawKernel]] = {}
         self._graphs: dict = {}
@@ -224,15 +233,24 @@ class CudaBackend:
         if preload:
             self.load_kernels("step")
 
+    def device_context(self) -> cupy.cuda.Device:
+        """`with backend.device_context():` makes this backend's device current for the block (a new
+        Device object each time: CuPy keeps the previous device on the object, so one shared between
+        threads would restore the wrong one)."""
+        return cupy.cuda.Device(self.device_id)
+
     # -- streams and events --------------------------------------------------------------------
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
         """A non-blocking stream (so nothing is implicitly ordered with the legacy default stream)."""
-        stream = cupy.cuda.Stream(non_blocking=True)
+        with self.device_context():
+            stream = cupy.cuda.Stream(non_blocking=True)
         self._streams.add(stream)
         return stream
 
     def record(self, stream: cupy.cuda.Stream) -> CudaEvent:
-        return CudaEvent().record(stream)
+        """An event recorded on `stream` (a stream of this backend's device)."""
+        with cupy.cuda.Device(self.device_id):
+            return CudaEvent().record(stream)
 
     def wait(self, stream: cupy.cuda.Stream, event) -> None:
         """Make `stream` wait for `event` (a CudaEvent or a raw cupy.cuda.Event)."""
@@ -250,14 +268,15 @@ class CudaBackend:
         gate = CudaGate(ptr)
         max_cycles = int(timeout_s * self._clock_rate_khz() * 1000)
         # Under unified addressing the host pointer of mapped pinned memory is valid on the device.
-        self._kernel("cupykv_gate")((1,), (1,), (np.uint64(ptr), np.uint64(ptr + 4), np.int64(max_cycles)),
-                                    stream=stream)
+        with self.device_context():
+            self._kernel("cupykv_gate")((1,), (1,), (np.uint64(ptr), np.uint64(ptr + 4), np.int64(max_cycles)),
+                                        stream=stream)
         return gate
 
     def synchronize(self) -> None:
         """Wait (sleeping, not spinning) for the manager stream and every stream from new_stream()."""
         for stream in [self.stream, *list(self._streams)]:
-            CudaEvent().record(stream).synchronize()
+            self.record(stream).synchronize()
 
     # -- memory --------------------------------------------------------------------------------
     def pinned_empty(self, words: int) -> np.ndarray:
@@ -271,11 +290,11 @@ class CudaBackend:
 
     def device_empty(self, words: int) -> cupy.ndarray:
         """A zeroed device int32 buffer, initialised in order on the manager stream."""
-        with self.stream:
+        with self.device_context(), self.stream:
             return cupy.zeros(words, np.int32)
 
     def device_full(self, shape, value, dtype=np.int32) -> cupy.ndarray:
-        with self.stream:
+        with self.device_context(), self.stream:
             return cupy.full(shape, value, dtype)
 
     def to_numpy(self, arr) -> np.ndarray:
@@ -287,7 +306,7 @@ class CudaBackend:
     def upload(self, arr: np.ndarray) -> cupy.ndarray:
         """A device copy of a host array (set-up time only: this waits for the copy)."""
         host = np.ascontiguousarray(arr)
-        with self.stream:
+        with self.device_context(), self.stream:
             dev = cupy.empty(host.shape, host.dtype)
             dev.set(host, stream=self.stream)
         self.stream.synchronize()
@@ -358,7 +377,8 @@ class CudaBackend:
         args = self._memo("apply_deltas", (snap, mirror), check)
         hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
         blocks = min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
-        self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), args, stream=stream)
+        with cupy.cuda.Device(self.device_id):
+            self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), args, stream=stream)
 
     def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
                    row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
@@ -380,7 +400,8 @@ class CudaBackend:
         table_blocks, pos_blocks = step_grid(planes, int(consts.max_blocks), int(consts.max_batch),
                                              int(pages.shape[1]), mode, num_entries, num_values, num_tokens)
         args = fixed + (np.int32(table_blocks),)
-        self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
+        with cupy.cuda.Device(self.device_id):
+            self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
 
     @staticmethod
     def _step_launch_args(snap, mirror, out, row_entry, pages, offsets, consts, shared: bool):
@@ -429,10 +450,11 @@ class CudaBackend:
         key, buffers = self._graph_key(slot, mirror, out, row_entry, pages, offsets, consts, shared, mode,
                                        seqs_bucket, tokens_bucket, copy_words)
         graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture_step_graph(key, buffers, slot, mirror, out, row_entry, pages, offsets, consts,
-                                             shared, mode, seqs_bucket, tokens_bucket, copy_words)
-        graph.launch(stream)
+        with cupy.cuda.Device(self.device_id):
+            if graph is None:
+                graph = self._capture_step_graph(key, buffers, slot, mirror, out, row_entry, pages, offsets, consts,
+                                                 shared, mode, seqs_bucket, tokens_bucket, copy_words)
+            graph.launch(stream)
 
     def capture_step_graphs(self, slots: Iterable, mirror: cupy.ndarray, out: cupy.ndarray, row_entry: cupy.ndarray,
                             pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
@@ -457,7 +479,8 @@ class CudaBackend:
                                     copy_words)
                             key, buffers = self._graph_key(*args)
                             if key not in self._graphs:
-                                self._capture_step_graph(key, buffers, *args)
+                                with self.device_context():
+                                    self._capture_step_graph(key, buffers, *args)
                                 captured += 1
         return captured
 
@@ -535,7 +558,8 @@ class CudaBackend:
         blocks = min(max(-(-(n * row) // WRITE_KV_THREADS), 1), WRITE_KV_MAX_BLOCKS)
         args = (pages, offsets, k, v, dst, np.int32(n), np.int32(row), np.int32(tokens_per_block),
                 np.int64(dst.shape[0]), errors)
-        self._kernel(names[dst.itemsize])((blocks,), (WRITE_KV_THREADS,), args, stream=stream)
+        with self.device_context():
+            self._kernel(names[dst.itemsize])((blocks,), (WRITE_KV_THREADS,), args, stream=stream)
 
     # -- lifetimes and small asynchronous transfers ---------------------------------------------
     def keep_until(self, event, *objs) -> None:
@@ -553,7 +577,7 @@ class CudaBackend:
         """
         host = np.ascontiguousarray(host)
         if out is None:
-            with stream:
+            with self.device_context(), stream:
                 out = cupy.empty(host.shape, host.dtype)
         elif not out.flags.c_contiguous or out.nbytes != host.nbytes:
             raise ValueError(f"upload_async: out must be contiguous with {host.nbytes} bytes")
@@ -598,8 +622,9 @@ class CudaBackend:
         synchronize the context: call this while no stream of the process is held (before a gate, before
         long consumer work). A module not loaded here is loaded on the first use of one of its kernels.
         """
-        for name in modules or tuple(MODULES):
-            self._module_kernels(name)
+        with self.device_context():
+            for name in modules or tuple(MODULES):
+                self._module_kernels(name)
 
     def kernel_loading_state(self) -> dict:
         """Diagnostics: {'mode': module_loading_mode(), 'kernels': {kernel: fully loaded?}} for the modules

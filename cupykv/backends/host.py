@@ -6,6 +6,7 @@ So the races that an overlap scheduler causes on a GPU reproduce here determinis
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from typing import Callable, Deque, List, Optional, Tuple
@@ -118,9 +119,11 @@ class HostBackend:
     name = "host"
     xp = np
 
-    def __init__(self):
-        self.device = SimDevice()
-        self.stream = SimStream(self.device, "manager stream")
+    def __init__(self, device: Optional[SimDevice] = None, device_id: int = 0):
+        # Ranks of one multi-device manager share a SimDevice, so that draining runs every rank's streams.
+        self.device = device if device is not None else SimDevice()
+        self.device_id = device_id          # a label: the simulated device this backend stands for
+        self.stream = SimStream(self.device, f"manager stream {device_id}")
         self.pinned_pool = SimPinnedPool()
 
     # streams and events
@@ -139,6 +142,10 @@ class HostBackend:
     def synchronize(self) -> None:
         for s in self.device.streams:
             s.synchronize()
+
+    def device_context(self):
+        """What CudaBackend enters for its device; nothing to enter here."""
+        return contextlib.nullcontext()
 
     # memory
     def pinned_empty(self, words: int) -> np.ndarray:
