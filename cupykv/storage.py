@@ -31,6 +31,7 @@ from .args import as_count
 from .errors import CupykvError, InvalidRequestError, InvalidSpecError, StepOrderError
 from .host_tier import HostTier
 from .layout import Layout
+from .step import DeviceStep
 
 DTYPES = ("float16", "bfloat16", "float32")
 SOURCE_DTYPES = ("float16", "bfloat16", "float32")    # what write() takes for K and V
@@ -325,9 +326,9 @@ class KVStorage:
     # -- internals -------------------------------------------------------------------------------
     def _view(self, step):
         """The step as this storage's device sees it (step.on(rank)); a DeviceStep must be of that rank."""
-        if hasattr(step, "devices"):
-            return step.on(self.rank) if step.devices else step
-        if getattr(step, "rank", self.rank) != self.rank:
+        if not isinstance(step, DeviceStep):
+            return step.on(self.rank)
+        if step.rank != self.rank:
             raise StepOrderError(f"this KVStorage is device {self.rank}'s; got step.on({step.rank})")
         return step
 

@@ -1080,39 +1080,43 @@ class Capture:
     write_positions=True, its write positions), finishes.
 
     Nothing runs until the device does the work, so what it captured is what a real attention kernel
-    would have read at that point of the stream order.
+    would have read at that point of the stream order. rank: the device whose tables it reads (a manager
+    with devices=[...]); it finishes that device's part of each step only.
     """
 
-    def __init__(self, mgr, write_positions: bool = False):
+    def __init__(self, mgr, write_positions: bool = False, rank: int = 0):
         self.mgr = mgr
-        self.stream = mgr.backend.new_stream("consumer")
+        self.rank = rank
+        self.backend = mgr.backends[rank]
+        self.outputs = mgr.pipeline.mirrors[rank].outputs
+        self.stream = self.backend.new_stream("consumer")
         self.write_positions = write_positions
         self.items = []   # (step, table at prepare, device buffer[, write pages, write offsets, refs])
         self.spare = []   # buffers allocated while nothing is gated (an allocation's memset would queue)
 
     def _buffers(self):
-        be, mgr = self.mgr.backend, self.mgr
-        bufs = [be.device_empty(mgr.out.size).reshape(mgr.out.shape)]
+        be, out = self.backend, self.outputs
+        bufs = [be.device_empty(out.tables.size).reshape(out.tables.shape)]
         if self.write_positions:
-            bufs += [be.device_empty(mgr.write_pages.size).reshape(mgr.write_pages.shape),
-                     be.device_empty(mgr.write_offsets.size).reshape(mgr.write_offsets.shape)]
+            bufs += [be.device_empty(out.write_pages.size).reshape(out.write_pages.shape),
+                     be.device_empty(out.write_offsets.size).reshape(out.write_offsets.shape)]
         return bufs
 
     def reserve(self, count: int) -> "Capture":
         """Allocate buffers for `count` steps now, before a gate holds the streams."""
         self.spare += [self._buffers() for _ in range(count)]
-        self.mgr.backend.synchronize()
+        self.backend.synchronize()
         return self
 
     def consume(self, step) -> None:
-        be, mgr = self.mgr.backend, self.mgr
+        be, mgr, out, view = self.backend, self.mgr, self.outputs, step.on(self.rank)
         bufs = self.spare.pop() if self.spare else self._buffers()
-        be.wait(self.stream, step.ready)
-        be.copy_d2d(bufs[0], mgr.out, self.stream)
+        be.wait(self.stream, view.ready)
+        be.copy_d2d(bufs[0], out.tables, self.stream)
         if self.write_positions:
-            be.copy_d2d(bufs[1], mgr.write_pages, self.stream)
-            be.copy_d2d(bufs[2], mgr.write_offsets, self.stream)
-        step.finish(self.stream)
+            be.copy_d2d(bufs[1], out.write_pages, self.stream)
+            be.copy_d2d(bufs[2], out.write_offsets, self.stream)
+        view.finish(self.stream)
         item = (step, mgr.table.copy(), bufs[0])
         if self.write_positions:    # the reference counts at the prepare: whom each write may reach
             item += (bufs[1], bufs[2], [pool.refs.copy() if hasattr(pool, "refs") else None for pool in mgr.pools])
@@ -1124,7 +1128,7 @@ class Capture:
         bad = []
         geo = Geometry(self.mgr.spec)
         for step, table, buf, *extra in self.items:
-            to_np = self.mgr.backend.to_numpy
+            to_np = self.backend.to_numpy
             want = expected_tables(self.mgr, table, step)
             ok = np.array_equal(to_np(buf)[:, :step.num_seqs], want)
             if ok and extra:
