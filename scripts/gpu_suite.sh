@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
-# [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [profile]
+# [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
+# [profile]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -60,6 +61,9 @@ for part in $parts; do
     bench-host-tier)   # suspend/resume bandwidth against the pinned copy bandwidth
       run bench_host_tier timeout 300 python3 -m cupykv.bench host-tier --out /tmp/bench_host_tier
       cat /tmp/bench_host_tier/*.md > "$OUT/bench_host_tier.md" 2>/dev/null ;;
+    bench-devices)   # one manager on 1 and 2 devices: host and device time per decode step
+      run bench_devices timeout 300 python3 -m cupykv.bench devices --out /tmp/bench_devices
+      cp /tmp/bench_devices/devices.md "$OUT/bench_devices.md" 2>/dev/null ;;
     profile) run host_calls timeout 60 python3 scripts/host_calls.py 256 ;;
   esac
 done

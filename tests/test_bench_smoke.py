@@ -326,3 +326,14 @@ def test_subcommands_reject_bad_input(argv, says, capsys):
         main(argv)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_devices_bench_smoke(tmp_path):
+    """`python -m cupykv.bench devices --smoke`: every device set runs the decode workload and the report
+    has a row per configuration (timings are not judged)."""
+    from cupykv.bench.__main__ import main
+    assert main(["devices", "--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "devices.json").read_text())
+    assert [r["devices"] for r in report["rows"]] == [[0], [0, 0], [0, 1]]
+    assert all(r["prepare_us"]["median"] > 0 for r in report["rows"])
+    assert "| [0, 1] |" in (tmp_path / "devices.md").read_text()

@@ -16,6 +16,8 @@ Subcommands (each with its own --help):
   python -m cupykv.bench host-tier --out DIR   host tier: suspend / resume of a 128k-token GPT-OSS-120B
                                                request against a pinned memcpy, fragmented and whole-sequence
                                                copies, overlap with decode steps (host_tier.json, host_tier.md)
+  python -m cupykv.bench devices --out DIR     one manager on 1 and 2 devices (devices=[0], [0, 0], [0, 1]):
+                                               host and device time per decode step (devices.json, devices.md)
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import List, Optional
 from .harness import SHAPES, Settings, run
 from .report import summary_text, write_outputs
 
-SUBCOMMANDS = ("prefix", "host-tier")
+SUBCOMMANDS = ("prefix", "host-tier", "devices")
 
 
 def _ints(text: str) -> List[int]:
@@ -287,12 +289,15 @@ def main_host_tier(argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the table and write the outputs; the exit status (0: every output matched
     the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix).
-    A first argument 'prefix' or 'host-tier' runs that benchmark instead (main_prefix, main_host_tier)."""
+    A first argument 'prefix', 'host-tier' or 'devices' runs that benchmark instead."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "prefix":
         return main_prefix(args[1:])
     if args and args[0] == "host-tier":
         return main_host_tier(args[1:])
+    if args and args[0] == "devices":
+        from .devices_bench import main as main_devices
+        return main_devices(args[1:])
     settings = parse_args(argv)
     if settings.backend == "auto" and not settings.smoke:
         from ..backends import cuda_available
