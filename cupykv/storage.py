@@ -169,6 +169,7 @@ class KVStorage:
             backend.load_kernels("kv_write")
         self._sync()   # zero-filled before any stream uses them
         self._words = np.uint16 if self.dtype.itemsize == 2 else np.uint32    # what the write kernel copies
+        self._writes: List = []        # events after writes on streams other than the manager stream
         self.host_tier: Optional[HostTier] = None
         if host_tier_bytes is not None:
             if self.manager is None:
@@ -280,7 +281,10 @@ class KVStorage:
             kd, vd = (storage_words(cupy, self._device_array(a), src, self.dtype.name)
                       for a, src in zip((k, v), sources))
         be.write_kv(st, pages, offsets, kd, vd, dst, n, self.tokens_per_block, self._errors)
-        be.keep_until(be.record(st), k, v, kd, vd)
+        written = be.record(st)
+        be.keep_until(written, k, v, kd, vd)
+        if st is not be.stream:       # errors() waits for it: the skipped-token count is updated on st
+            self._writes = [e for e in self._writes if not e.done()] + [written]
 
     def _write_host(self, stream, pages, offsets, k, v, sources, dst, n) -> None:
         tpb, errors, storage = self.tokens_per_block, self._errors, self.dtype.name
@@ -319,7 +323,11 @@ class KVStorage:
             return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
 
     def errors(self) -> int:
-        """Tokens skipped so far because their write page was BAD or out of range (waits for the device)."""
+        """Tokens skipped so far because their write page was BAD or out of range (waits for the device:
+        the manager stream and every write enqueued on another stream)."""
+        for written in self._writes:
+            written.synchronize()
+        self._writes = []
         self._sync()
         return int(self.backend.to_numpy(self._errors)[0])
 

@@ -292,3 +292,18 @@ def test_cuda_devices_out_of_range():
     n = cupy.cuda.runtime.getDeviceCount()
     with pytest.raises(cupykv.InvalidSpecError, match="does not exist"):
         cupykv.KVCacheManager(make("cuda").spec, backend="cuda", devices=[0, n])
+
+
+def test_finish_on_torch_needs_a_device_view():
+    """finish_on_torch takes step.on(rank) with several devices: a stream belongs to one device (on every
+    backend, so the host backend catches the mistake too)."""
+    from cupykv.interop import finish_on_torch
+    mgr = make("host")
+    mgr.add("a", 16)
+    step = mgr.prepare_batch({"a": 16})
+    with pytest.raises(cupykv.StepOrderError, match="step.on"):
+        finish_on_torch(step)
+    assert step.unfinished_ranks() == [0, 1]
+    finish_on_torch(step.on(0))
+    finish_on_torch(step.on(1))
+    assert step.is_finished()

@@ -248,6 +248,28 @@ def test_storage_write_validation():
     assert st.errors() == 0
 
 
+def test_errors_count_skipped_tokens_of_writes_on_another_stream(backend_name):
+    """A write on a consumer stream whose write pages are BAD skips every token; errors() waits for that
+    write (not only for the manager stream) and counts them."""
+    mgr = make_mgr(backend_name, "per_layer_scratch")
+    st = KVStorage(mgr)
+    mgr.add("a", 10)
+    step = mgr.prepare_batch({"a": 10})
+    mgr.synchronize()
+    be = mgr.backend
+    if be.xp is np:
+        mgr.write_pages[1, :10] = cupykv.BAD
+    else:
+        with be.stream:
+            mgr.write_pages[1, :10] = cupykv.BAD
+    side = be.new_stream()
+    kv = be.xp.ones((10, mgr.spec.num_kv_heads, mgr.spec.head_dim), np.float32)
+    st.write(step, 1, kv, kv, stream=side)
+    st.write(step, 0, kv, kv, stream=side)
+    assert st.errors() == 10
+    step.finish()
+
+
 def kv_value(layer, rid, pos, shape):
     """A deterministic K (V = -K) for a token: distinct per (layer, request, position)."""
     base = (layer * 1000 + int(rid[1:]) * 37 + pos) % 2000
