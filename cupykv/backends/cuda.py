@@ -164,6 +164,30 @@ def module_loading_mode() -> Optional[str]:
     return "lazy" if mode.value == _CU_MODULE_LAZY_LOADING else "eager"
 
 
+class DeviceScope:
+    """Makes a device current for a `with` block and restores the previous one after it.
+
+    One cudaGetDevice when the device is current already (every call of a one-device manager), unlike
+    `with cupy.cuda.Device(id)`, which also sets the device again on exit; a new object per block, so
+    threads never share the saved device (CuPy keeps it on the Device object).
+    """
+
+    __slots__ = ("device_id", "previous")
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+
+    def __enter__(self) -> "DeviceScope":
+        self.previous = runtime.getDevice()
+        if self.previous != self.device_id:
+            runtime.setDevice(self.device_id)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous != self.device_id:
+            runtime.setDevice(self.previous)
+
+
 def device_count() -> int:
     """CUDA devices this process can see."""
     return int(runtime.getDeviceCount())
@@ -233,11 +257,9 @@ class CudaBackend:
         if preload:
             self.load_kernels("step")
 
-    def device_context(self) -> cupy.cuda.Device:
-        """`with backend.device_context():` makes this backend's device current for the block (a new
-        Device object each time: CuPy keeps the previous device on the object, so one shared between
-        threads would restore the wrong one)."""
-        return cupy.cuda.Device(self.device_id)
+    def device_context(self) -> "DeviceScope":
+        """`with backend.device_context():` makes this backend's device current for the block."""
+        return DeviceScope(self.device_id)
 
     # -- streams and events --------------------------------------------------------------------
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
@@ -249,7 +271,7 @@ class CudaBackend:
 
     def record(self, stream: cupy.cuda.Stream) -> CudaEvent:
         """An event recorded on `stream` (a stream of this backend's device)."""
-        with cupy.cuda.Device(self.device_id):
+        with self.device_context():
             return CudaEvent().record(stream)
 
     def wait(self, stream: cupy.cuda.Stream, event) -> None:
@@ -377,7 +399,7 @@ class CudaBackend:
         args = self._memo("apply_deltas", (snap, mirror), check)
         hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
         blocks = min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
-        with cupy.cuda.Device(self.device_id):
+        with self.device_context():
             self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), args, stream=stream)
 
     def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
@@ -400,7 +422,7 @@ class CudaBackend:
         table_blocks, pos_blocks = step_grid(planes, int(consts.max_blocks), int(consts.max_batch),
                                              int(pages.shape[1]), mode, num_entries, num_values, num_tokens)
         args = fixed + (np.int32(table_blocks),)
-        with cupy.cuda.Device(self.device_id):
+        with self.device_context():
             self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
 
     @staticmethod
@@ -450,7 +472,7 @@ class CudaBackend:
         key, buffers = self._graph_key(slot, mirror, out, row_entry, pages, offsets, consts, shared, mode,
                                        seqs_bucket, tokens_bucket, copy_words)
         graph = self._graphs.get(key)
-        with cupy.cuda.Device(self.device_id):
+        with self.device_context():
             if graph is None:
                 graph = self._capture_step_graph(key, buffers, slot, mirror, out, row_entry, pages, offsets, consts,
                                                  shared, mode, seqs_bucket, tokens_bucket, copy_words)
