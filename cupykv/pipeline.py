@@ -64,14 +64,12 @@ class Mirror:
         self.mirror = backend.device_full((P, rows, B), BAD, np.int32)
         self.row_entry = backend.device_full((rows, 2), -1, np.int32)
         planes = P if spec.table_mode == "shared" else layout.num_layers
-        self.outputs = StepOutputs(backend.device_full((planes, rows, 2, B), BAD, np.int32),
-                                   backend.device_full((layout.num_layers, spec.step_token_capacity), BAD, np.int32),
-                                   backend.device_full((spec.step_token_capacity,), 0, np.int32))
-
-    def buffers(self) -> tuple:
-        """What the step launches take after the snapshot: mirror, tables, row_entry, write positions, consts."""
-        out = self.outputs
-        return self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts
+        self.outputs = out = StepOutputs(backend.device_full((planes, rows, 2, B), BAD, np.int32),
+                                         backend.device_full((layout.num_layers, spec.step_token_capacity), BAD,
+                                                             np.int32),
+                                         backend.device_full((spec.step_token_capacity,), 0, np.int32))
+        # What the step launches take after the snapshot (fixed for the life of the manager).
+        self.buffers = (self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts)
 
 
 class StepPipeline:
@@ -137,14 +135,14 @@ class StepPipeline:
         for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
             be, st = m.backend, m.backend.stream
             if self.use_graphs:
-                be.launch_step_graph(st, twin, *m.buffers(), self.shared, step.mode,
+                be.launch_step_graph(st, twin, *m.buffers, self.shared, step.mode,
                                      min(pow2_at_least(entries), m.consts.max_batch),
                                      min(pow2_at_least(max(tokens, 256)), m.outputs.write_offsets.size), copy_words)
             else:
                 be.copy_h2d(twin.dev, slot.host, words, st)
                 if len(cells):      # a steady decode step often changes no cell: one launch fewer
                     be.apply_deltas(st, twin.dev, m.mirror, m.consts, num_values=len(cells))
-                be.build_step(st, twin.dev, *m.buffers(), self.shared, step.mode, num_entries=entries,
+                be.build_step(st, twin.dev, *m.buffers, self.shared, step.mode, num_entries=entries,
                               num_values=len(cells), num_tokens=tokens)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
@@ -161,7 +159,7 @@ class StepPipeline:
             capture = getattr(m.backend, "capture_step_graphs", None)
             if capture is None or not self.use_graphs:
                 continue
-            captured += capture([s.twins[m.rank] for s in self.ring.slots], *m.buffers(), self.shared,
+            captured += capture([s.twins[m.rank] for s in self.ring.slots], *m.buffers, self.shared,
                                 pow2_buckets(1, m.consts.max_batch), pow2_buckets(256, m.outputs.write_offsets.size))
         return captured
 

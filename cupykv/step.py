@@ -174,14 +174,20 @@ class Step:
 
     def is_finished(self) -> bool:
         """True once every device's finish was recorded (not necessarily completed)."""
-        return all(d.finished is not None for d in self.devices)
+        for d in self.devices:      # a loop, not all(): this runs on every prepare
+            if d.finished is None:
+                return False
+        return True
 
     def unfinished_ranks(self) -> List[int]:
         return [d.rank for d in self.devices if d.finished is None]
 
     def is_complete(self) -> bool:
         """True once every device's finish event has completed (the step's slots may then be reused)."""
-        return all(d.is_complete() for d in self.devices)
+        for d in self.devices:      # a loop, not all(): the ledger polls this on every prepare
+            if d.finished is None or not d.finished.done():
+                return False
+        return True
 
     def wait_finished(self, timeout: Optional[float] = None) -> bool:
         """Host wait for every device's recorded finish event; False when one did not complete in time."""
