@@ -110,11 +110,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.cap.consume(s)
         self.unfinished_seen.append((s, self.seen_by(s)))
 
-    def settle(self, data):
-        s, expected = self.tw.unsettled[0]
+    def draw_accepted(self, data, s, on_accept=None):
+        """Accepted tokens of the oldest unsettled step s: (by request id, in batch order). Live generation
+        entries accept up to max_rewind fewer than scheduled when s is their latest step, all of them
+        otherwise; on_accept(rid, n) runs after each such draw (it may draw more)."""
         later = [other for other, _ in self.tw.unsettled[1:]]
-        accepted = {}
-        in_order = []
+        accepted, in_order = {}, []
         for k, rid in enumerate(s.request_ids):
             n = int(s.num_tokens[k])
             if not self.model.is_live(s.id, k) or k < s.num_contexts:
@@ -124,6 +125,13 @@ class ManagerMachine(RuleBasedStateMachine):
             lo = max(0, n - self.spec.max_rewind) if latest else n
             accepted[rid] = count(data, lo, n, f"accept {rid}")
             in_order.append(accepted[rid])
+            if on_accept is not None:
+                on_accept(rid, accepted[rid])
+        return accepted, in_order
+
+    def settle(self, data):
+        s, expected = self.tw.unsettled[0]
+        accepted, in_order = self.draw_accepted(data, s)
         as_sequence = data.draw(st.booleans(), label="accepted in batch order")
         self.tw.settle(s, in_order if as_sequence else accepted)
 
@@ -334,20 +342,14 @@ class PrefixMachine(ManagerMachine):
 
     def settle(self, data):
         s, expected = self.tw.unsettled[0]
-        later = [other for other, _ in self.tw.unsettled[1:]]
-        accepted, in_order, new_tokens = {}, [], {}
-        for k, rid in enumerate(s.request_ids):
-            n = int(s.num_tokens[k])
-            if not self.model.is_live(s.id, k) or k < s.num_contexts:
-                in_order.append(n)
-                continue
-            latest = not any(rid in other.request_ids for other in later)
-            lo = max(0, n - self.spec.max_rewind) if latest else n
-            accepted[rid] = count(data, lo, n, f"accept {rid}")
-            in_order.append(accepted[rid])
+        new_tokens = {}
+
+        def report(rid, n):
             if data.draw(st.integers(0, 9), label=f"report {rid}") > 0:     # mostly reported
-                new_tokens[rid] = data.draw(st.lists(ALPHABET, min_size=int(accepted[rid]),
-                                                     max_size=int(accepted[rid])), label=f"tokens {rid}")
+                new_tokens[rid] = data.draw(st.lists(ALPHABET, min_size=int(n), max_size=int(n)),
+                                            label=f"tokens {rid}")
+
+        accepted, in_order = self.draw_accepted(data, s, report)
         as_sequence = data.draw(st.booleans(), label="accepted in batch order")
         self.tw.settle(s, in_order if as_sequence else accepted, new_tokens=new_tokens)
 
