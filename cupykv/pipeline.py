@@ -12,7 +12,8 @@ Order of one step (everything after the host packing is asynchronous):
             record its `ready` (also the twin's copy event: the slot is reused only after every twin's)
 
 Every device gets the same snapshot, so the same mode and the same tables. With use_graphs the copy,
-apply and build are one CUDA graph replay per device instead of three launches.
+apply and build are one CUDA graph replay per device instead of three launches. Each device's part of a
+step is its backend's StepPlan for the slot's twin (backends/plan.py): made once, run every step.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .layout import BAD, Layout
-from .staging import (MODE_DELTA, MODE_FULL, SnapshotRing, pack_snapshot, pow2_at_least, pow2_buckets,
-                      snapshot_words)
+from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
+                      pow2_buckets, snapshot_words)
 from .step import DeviceStep, Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
@@ -70,6 +71,14 @@ class Mirror:
                                          backend.device_full((spec.step_token_capacity,), 0, np.int32))
         # What the step launches take after the snapshot (fixed for the life of the manager).
         self.buffers = (self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts)
+        self._plans: dict = {}       # id(ring-slot twin) -> its StepPlan (the plans' one owner)
+
+    def plan(self, twin, shared: bool):
+        """The backend's StepPlan for a ring-slot twin of this device, made again when the slot has grown."""
+        plan = self._plans.get(id(twin))
+        if plan is None or not plan.fits(twin):
+            plan = self._plans[id(twin)] = self.backend.step_plan(twin, self.buffers, shared)
+        return plan
 
 
 class StepPipeline:
@@ -129,25 +138,15 @@ class StepPipeline:
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch)
         entries, tokens = max(step.num_seqs, step.pad_to), int(cu_tokens[-1])
-        # Buckets keep the number of graphs small: batch size, tokens and copy size round up to powers of
-        # two; the kernels read the true counts from the snapshot.
-        copy_words = min(pow2_at_least(max(words, 1024)), slot.capacity) if self.use_graphs else words
+        # Buckets keep the number of graphs small (every device has the same buffer sizes).
+        graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
+                              self.mirrors[0].outputs.write_offsets.size) if self.use_graphs else None
         for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
-            be, st = m.backend, m.backend.stream
-            if self.use_graphs:
-                be.launch_step_graph(st, twin, *m.buffers, self.shared, step.mode,
-                                     min(pow2_at_least(entries), m.consts.max_batch),
-                                     min(pow2_at_least(max(tokens, 256)), m.outputs.write_offsets.size), copy_words)
-            else:
-                be.copy_h2d(twin.dev, slot.host, words, st)
-                if len(cells):      # a steady decode step often changes no cell: one launch fewer
-                    be.apply_deltas(st, twin.dev, m.mirror, m.consts, num_values=len(cells))
-                be.build_step(st, twin.dev, *m.buffers, self.shared, step.mode, num_entries=entries,
-                              num_values=len(cells), num_tokens=tokens)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-            view.ready = twin.copied = be.record(st)
-        self.h2d_bytes_last_step = copy_words * 4 * len(self.mirrors)
+            view.ready = twin.copied = m.plan(twin, self.shared).run(m.backend.stream, step.mode, words, len(cells),
+                                                                     entries, tokens, graph)
+        self.h2d_bytes_last_step = (graph[0] if graph else words) * 4 * len(self.mirrors)
         if step.mode == MODE_FULL:
             self.epoch = step.id
 
@@ -159,8 +158,9 @@ class StepPipeline:
             capture = getattr(m.backend, "capture_step_graphs", None)
             if capture is None or not self.use_graphs:
                 continue
-            captured += capture([s.twins[m.rank] for s in self.ring.slots], *m.buffers, self.shared,
-                                pow2_buckets(1, m.consts.max_batch), pow2_buckets(256, m.outputs.write_offsets.size))
+            captured += capture([m.plan(s.twins[m.rank], self.shared) for s in self.ring.slots],
+                                pow2_buckets(1, m.consts.max_batch),
+                                pow2_buckets(GRAPH_MIN_TOKENS, m.outputs.write_offsets.size))
         return captured
 
     def _steady(self, step: Step) -> bool:

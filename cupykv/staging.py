@@ -59,6 +59,20 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# A step graph replay rounds its copy up to at least this many words and its token count to at least this
+# many tokens (graph_buckets): fewer graphs, each a little larger than a decode step needs.
+GRAPH_MIN_COPY_WORDS, GRAPH_MIN_TOKENS = 1024, 256
+
+
+def graph_buckets(words: int, entries: int, tokens: int, slot_capacity: int, max_batch: int,
+                  token_capacity: int) -> tuple:
+    """(copy words, batch bucket, token bucket) of the step graph that replays a step: each count rounded up
+    to a power of two, capped at its buffer's size (the kernels read the true counts from the snapshot)."""
+    return (min(pow2_at_least(max(words, GRAPH_MIN_COPY_WORDS)), slot_capacity),
+            min(pow2_at_least(entries), max_batch),
+            min(pow2_at_least(max(tokens, GRAPH_MIN_TOKENS)), token_capacity))
+
+
 def pow2_buckets(lowest: int, cap: int) -> list:
     """The sizes a count in [1, cap] rounds up to: powers of two from the first one >= lowest, capped at
     cap (the last bucket is cap itself)."""

@@ -1,9 +1,11 @@
-"""Host time of each backend call inside prepare_batch on the CUDA backend (decode steps, batch 256).
+"""Host time of the backend calls inside prepare_batch on the CUDA backend (decode steps whose batch is the
+previous one's), next to the raw CUDA calls they are made of.
 
-    python scripts/host_calls.py [batch]
+    python scripts/host_calls.py [batch ...]     (default 256 1)
 
-Wraps the backend's methods with perf_counter timers; prints the median per call and per step, next to
-the median of prepare_batch itself and of a bare cupy launch and memcpyAsync for scale.
+Wraps the step plan's run (the copy, the kernels or the graph replay, the ready event), the backend's
+record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
+of prepare_batch itself, with launches and with graphs, and then the median of the bare calls for scale.
 """
 import sys
 import time
@@ -13,10 +15,8 @@ import cupy
 import numpy as np
 
 from profile_manager import prefilled_manager
+from cupykv.backends import cuda as cuda_backend
 
-batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-mgr = prefilled_manager(batch, backend="cuda")
-be = mgr.backend
 spent = defaultdict(float)
 
 
@@ -29,42 +29,79 @@ def timed(name, fn):
     return call
 
 
-for name in ("wait", "copy_h2d", "apply_deltas", "build_step", "record", "launch_step_graph"):
-    setattr(be, name, timed(name, getattr(be, name)))
-rids = list(range(batch))
-for graphs in (False, True):
-    mgr.use_graphs = graphs
-    per = defaultdict(list)
-    for i in range(250):
-        spent.clear()
-        t0 = time.perf_counter()
-        s = mgr.prepare_batch((), rids)
-        t1 = time.perf_counter()
-        s.finish()
-        mgr.settle(s)
-        s.ready.synchronize()
-        if i >= 50:
-            per["prepare_batch (total)"].append(t1 - t0)
-            for k, v in spent.items():
-                per[k].append(v)
-    print(f"graphs={graphs}: medians per step over 200 decode steps, batch {batch}")
-    for k, v in per.items():
-        print(f"  {k:24s} {np.median(v) * 1e6:7.1f} us")
+def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
+    mgr = prefilled_manager(batch, backend="cuda")
+    be = mgr.backend
+    plan_run = cuda_backend.CudaStepPlan.run
+    cuda_backend.CudaStepPlan.run = timed("plan.run (copy+kernels+ready)", plan_run)
+    be.record = timed("record (finish)", be.record)
+    be.wait = timed("wait", be.wait)
+    rids = list(range(batch))
+    try:
+        for graphs in (False, True):
+            mgr.use_graphs = graphs
+            per = defaultdict(list)
+            for i in range(steps):
+                spent.clear()
+                t0 = time.perf_counter()
+                s = mgr.prepare_batch((), rids)
+                t1 = time.perf_counter()
+                s.finish()
+                t2 = time.perf_counter()
+                mgr.settle(s)
+                t3 = time.perf_counter()
+                s.ready.synchronize()
+                if i >= skip:
+                    per["prepare_batch (total)"].append(t1 - t0)
+                    per["settle"].append(t3 - t2)
+                    for k, v in spent.items():
+                        per[k].append(v)
+            print(f"batch {batch}, graphs={graphs}: medians per step over {steps - skip} decode steps")
+            for k, v in per.items():
+                print(f"  {k:32s} {np.median(v) * 1e6:7.1f} us")
+    finally:
+        cuda_backend.CudaStepPlan.run = plan_run
 
-# scale: a bare RawKernel launch and a small pinned memcpyAsync on this host
-k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
-dev = cupy.zeros(1024, np.int32)
-host = cupy.cuda.alloc_pinned_memory(4096)
-st = cupy.cuda.Stream(non_blocking=True)
-k((1,), (32,), (dev,), stream=st)
-for label, fn in (("RawKernel launch, 1 arg", lambda: k((1,), (32,), (dev,), stream=st)),
-                  ("memcpyAsync 4 KB pinned", lambda: cupy.cuda.runtime.memcpyAsync(
-                      dev.data.ptr, host.ptr, 4096, cupy.cuda.runtime.memcpyHostToDevice, st.ptr)),
-                  ("Event() + record", lambda: cupy.cuda.Event(block=True, disable_timing=True).record(st))):
-    ts = []
-    for _ in range(300):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    st.synchronize()
-    print(f"  {label:24s} {np.median(ts) * 1e6:7.1f} us")
+
+def bare_calls() -> None:
+    """The raw calls a step is made of, for scale."""
+    k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
+    dev = cupy.zeros(1024, np.int32)
+    host = cupy.cuda.alloc_pinned_memory(4096)
+    st = cupy.cuda.Stream(non_blocking=True)
+    k((1,), (32,), (dev,), stream=st)
+    packed = cuda_backend.PackedLaunch(k, (dev,))
+    ev = cupy.cuda.Event(block=True, disable_timing=True)
+    cs = cupy.cuda.Stream(non_blocking=True)
+    cs.begin_capture()
+    k((1,), (32,), (dev,), stream=cs)
+    graph = cs.end_capture()
+    graph.upload(st)
+    rt = cupy.cuda.runtime
+
+    def scope():
+        with cuda_backend.DeviceScope(0):
+            pass
+    print("bare calls (medians of 300):")
+    for label, fn in (("RawKernel call, 1 arg", lambda: k((1,), (32,), (dev,), stream=st)),
+                      ("PackedLaunch, 1 arg", lambda: packed(1, st.ptr)),
+                      ("memcpyAsync 4 KB pinned", lambda: rt.memcpyAsync(dev.data.ptr, host.ptr, 4096,
+                                                                         rt.memcpyHostToDevice, st.ptr)),
+                      ("Event() + record", lambda: cupy.cuda.Event(block=True, disable_timing=True).record(st)),
+                      ("eventRecord (raw)", lambda: rt.eventRecord(ev.ptr, st.ptr)),
+                      ("graph.launch (cupy)", lambda: graph.launch(st)),
+                      ("graphLaunch (raw)", lambda: rt.graphLaunch(graph.graphExec, st.ptr)),
+                      ("DeviceScope enter/exit", scope)):
+        ts = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        st.synchronize()
+        print(f"  {label:32s} {np.median(ts) * 1e6:7.1f} us")
+
+
+if __name__ == "__main__":
+    for b in [int(a) for a in sys.argv[1:]] or [256, 1]:
+        measure(b)
+    bare_calls()

@@ -56,16 +56,23 @@ times = []
 # enqueues, so the gaps are the GPU's own), medians per case and segment.
 marks = []
 if segments:
+    from cupykv.backends import cuda as cuda_backend
+
     def timed(fn, name):
         def call(*a, **k):
             fn(*a, **k)
             ev = cupy.cuda.Event()
             ev.record(st)
-            marks.append((name, ev))
+            marks.append((name if isinstance(name, str) else name(*a), ev))
         return call
-    # (a graph's capture calls copy_h2d and the kernels itself: with graphs only the top-level calls)
-    for name in ("wait", "launch_step_graph") if graphs else ("wait", "copy_h2d", "apply_deltas", "build_step"):
-        setattr(be, name, timed(getattr(be, name), name))
+    # The step plan's raw calls: the snapshot copy, each kernel (named by its function), the graph replay.
+    kernel_names = {be._kernel(n).kernel.ptr: n[len("cupykv_"):] for n in ("cupykv_apply_deltas", "cupykv_build_step")}
+    cuda_backend.PackedLaunch.__call__ = timed(cuda_backend.PackedLaunch.__call__,
+                                               lambda launch, *a: kernel_names[launch.function])
+    rt = cuda_backend.runtime
+    rt.memcpyAsync = timed(rt.memcpyAsync, "copy")
+    rt.graphLaunch = timed(rt.graphLaunch, "graph replay")
+    be.wait = timed(be.wait, "wait")
 seg = {}
 for i in range(steps + 4):
     if i == 4:

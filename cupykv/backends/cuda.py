@@ -8,6 +8,7 @@ package imports on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 import weakref
@@ -16,10 +17,11 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import cupy
 import cupyx
 import numpy as np
-from cupy.cuda import runtime
+from cupy.cuda import driver, runtime
 
 from ..kernels import MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of, module_source
-from ..staging import MODE_DELTA, MODE_FULL, pow2_buckets
+from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, pow2_buckets
+from .plan import GraphBuckets, StepPlan
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
 # kernel grid-strides and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks
@@ -30,6 +32,7 @@ TABLE_MAX_BLOCKS = 4096
 DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
 POS_MAX_BLOCKS = 1024
 MEMO_ENTRIES = 256               # validated buffer sets kept by _memo (a few per ring slot in use)
+EVENT_POOL = 256                 # idle CUDA events a backend keeps for reuse (record())
 # KV storage writes (storage.py): threads per block and grid cap (grid-stride over tokens * row elements).
 WRITE_KV_THREADS = 256
 WRITE_KV_MAX_BLOCKS = 4096
@@ -42,14 +45,20 @@ GATE_TIMEOUT_S = 10.0
 class CudaEvent:
     """A CUDA event with sleeping host waits (block=True), with the interface of host.SimEvent.
 
-    Like a CUDA event, one that was never recorded counts as complete.
+    Like a CUDA event, one that was never recorded counts as complete. `event` is the cupy.cuda.Event.
+    Events come from their backend's pool (record()): when a CudaEvent is dropped and nothing else holds
+    its cupy event, the event goes back to the pool. Recording it again then cannot mislead anyone:
+    nobody can query it, and a stream wait enqueued earlier waits for the record it saw then.
     """
 
-    def __init__(self):
-        self.event = cupy.cuda.Event(block=True, disable_timing=True)
+    __slots__ = ("event", "_pool")
+
+    def __init__(self, event: Optional[cupy.cuda.Event] = None, pool: Optional[list] = None):
+        self.event = event if event is not None else cupy.cuda.Event(block=True, disable_timing=True)
+        self._pool = pool
 
     def record(self, stream: cupy.cuda.Stream) -> "CudaEvent":
-        self.event.record(stream)
+        runtime.eventRecord(self.event.ptr, stream.ptr)
         return self
 
     def done(self) -> bool:
@@ -70,6 +79,12 @@ class CudaEvent:
 
     def synchronize(self) -> None:
         self.event.synchronize()
+
+    def __del__(self):
+        pool = self._pool
+        # Two references: our slot and getrefcount's argument; a third is a caller holding `.event`.
+        if pool is not None and len(pool) < EVENT_POOL and sys.getrefcount(self.event) <= 2:
+            pool.append(self.event)
 
 
 class CudaGate:
@@ -207,6 +222,136 @@ def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode:
     return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-tokens // STEP_THREADS), POS_MAX_BLOCKS)
 
 
+def apply_grid(num_values: Optional[int]) -> int:
+    """Blocks of an apply_deltas launch for num_values changed cells (None: a graph's fixed grid)."""
+    hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+    return min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
+
+
+class PackedLaunch:
+    """A kernel with its arguments packed once into the array of argument pointers cuLaunchKernel takes.
+
+    CuPy's RawKernel call converts and checks every argument on every launch (several microseconds for
+    build_step's 19). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
+    in the kernel's parameter order. A cell (`cells[i].value`) may change between launches: the driver
+    copies the arguments when a launch is enqueued, or captured into a graph.
+    """
+
+    __slots__ = ("function", "args", "cells", "params", "ptr")
+
+    def __init__(self, kernel: cupy.RawKernel, args: tuple):
+        self.function = kernel.kernel.ptr
+        self.args = args                  # holds the arrays whose pointers the cells hold
+        self.cells = [_argument_cell(a) for a in args]
+        self.params = (ctypes.c_void_p * len(self.cells))(*[ctypes.addressof(c) for c in self.cells])
+        self.ptr = ctypes.addressof(self.params)
+
+    def __call__(self, blocks: int, stream_ptr: int) -> None:
+        driver.launchKernel(self.function, blocks, 1, 1, STEP_THREADS, 1, 1, 0, stream_ptr, self.ptr, 0)
+
+
+def _argument_cell(arg):
+    if isinstance(arg, cupy.ndarray):
+        return ctypes.c_uint64(arg.data.ptr)
+    if isinstance(arg, np.int32):
+        return ctypes.c_int32(int(arg))
+    if isinstance(arg, np.int64):
+        return ctypes.c_int64(int(arg))
+    raise TypeError(f"PackedLaunch: unsupported argument {type(arg).__name__} (cupy array, np.int32 or np.int64)")
+
+
+class CudaStepPlan(StepPlan):
+    """StepPlan on the CUDA backend: the buffers checked, their pointers read and both kernels' arguments
+    packed once, so that run() is a few raw CUDA calls under one device scope: a memcpyAsync and two
+    cuLaunchKernel (or one cudaGraphLaunch) and an event record from the backend's pool."""
+
+    def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
+        super().__init__(backend, twin, buffers, shared)
+        mirror, out, row_entry, pages, offsets, consts = buffers
+        self.planes, fixed = backend._step_launch_args(twin.dev, *buffers, shared)
+        self.capacity = twin.capacity
+        self._copy = (twin.dev.data.ptr, twin.host.ctypes.data, min(twin.dev.size, twin.host.size))
+        with backend.device_context():
+            self._apply = PackedLaunch(backend._kernel("cupykv_apply_deltas"),
+                                       (twin.dev, mirror, np.int64(mirror.size)))
+            self._build = PackedLaunch(backend._kernel("cupykv_build_step"), fixed + (np.int32(1),))
+        self._grid = (self.planes, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
+        # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
+        # managers), and the backend keeps the buffers alive with the graph.
+        self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
+                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null)
+        self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
+
+    def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
+            graph: GraphBuckets = None) -> CudaEvent:
+        be = self.backend
+        with DeviceScope(be.device_id):
+            if graph is None:
+                self._enqueue(stream.ptr, mode, words, num_values, num_entries, num_tokens)
+            else:
+                key = self._key(mode, graph)
+                replay = be._graphs.get(key)
+                if replay is None:
+                    replay = self._capture(key, mode, graph)
+                runtime.graphLaunch(replay.graphExec, stream.ptr)
+            return be.record(stream)
+
+    def capture(self, mode: int, graph: tuple) -> bool:
+        """Capture the step graph of these buckets unless it exists; True when captured now."""
+        key = self._key(mode, graph)
+        if key in self.backend._graphs:
+            return False
+        with self.backend.device_context():
+            self._capture(key, mode, graph)
+        return True
+
+    def _key(self, mode: int, graph: tuple) -> tuple:
+        copy_words, seqs, tokens = graph
+        # A DELTA graph's grid does not depend on the batch size (step_grid): one serves every batch bucket.
+        return self._graph_key, mode, 0 if mode == MODE_DELTA else seqs, tokens, copy_words
+
+    def _enqueue(self, stream_ptr: int, mode: int, words: int, num_values: Optional[int],
+                 num_entries: Optional[int], num_tokens: Optional[int]) -> None:
+        """The copy and the kernels, eager or into a capture. num_values None: a graph's fixed apply grid
+        (always launched); 0: no apply launch."""
+        dst, src, fits = self._copy
+        if words > fits:
+            raise ValueError(f"step copy: {words} words do not fit the ring slot ({fits})")
+        runtime.memcpyAsync(dst, src, words * 4, runtime.memcpyHostToDevice, stream_ptr)
+        if num_values != 0:
+            self._apply(apply_grid(num_values), stream_ptr)
+        planes, max_blocks, max_batch, capacity = self._grid
+        table, pos = step_grid(planes, max_blocks, max_batch, capacity, mode, num_entries, num_values, num_tokens)
+        self._build.cells[-1].value = table
+        self._build(table + pos, stream_ptr)
+
+    def _capture(self, key: tuple, mode: int, graph: tuple):
+        """Capture, instantiate and upload one step graph; nothing here waits for the device.
+
+        The kernels are fully loaded first (load_kernels): under lazy loading, instantiating a graph whose
+        kernels were never launched loads them, and loading may synchronize the context, which blocks
+        the host until every busy stream drains. The capture stream exists from construction and is idle,
+        so the upload (which sets up the graph's device resources) does not queue behind the manager
+        stream, and the first replay there only runs the graph.
+        """
+        be = self.backend
+        be.load_kernels("step")
+        cs = be._capture_stream
+        copy_words, seqs, tokens = graph
+        # Relaxed: another thread of the process (a consumer allocating memory, say) may make any CUDA call
+        # while this capture runs; the stricter modes would make such calls fail. The capture itself makes
+        # only asynchronous calls: a copy from pinned memory and two launches.
+        cs.begin_capture(runtime.streamCaptureModeRelaxed)
+        try:
+            self._enqueue(cs.ptr, mode, copy_words, None, seqs, tokens)
+        finally:
+            replay = cs.end_capture()
+        replay.upload(cs)
+        be._graphs[key] = replay
+        be._graph_buffers[key] = self._graph_buffers
+        return replay
+
+
 def _address(buf) -> int:
     return buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data.ptr
 
@@ -250,6 +395,7 @@ class CudaBackend:
         self._memo_cache: dict = {}
         self._copy_ptrs: dict = {}
         self._kernels: dict = {}
+        self._events: List[cupy.cuda.Event] = []       # idle events of this device (CudaEvent)
         self._clock_khz: Optional[int] = None
         # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
         # another stream); dropped once the event recorded after that work has completed. See keep_until.
@@ -270,9 +416,15 @@ class CudaBackend:
         return stream
 
     def record(self, stream: cupy.cuda.Stream) -> CudaEvent:
-        """An event recorded on `stream` (a stream of this backend's device)."""
-        with self.device_context():
-            return CudaEvent().record(stream)
+        """An event recorded on `stream` (a stream of this backend's device), from this backend's pool."""
+        pool = self._events
+        try:
+            event = pool.pop()
+        except IndexError:
+            with self.device_context():     # an event belongs to the device current when it is made
+                event = cupy.cuda.Event(block=True, disable_timing=True)
+        runtime.eventRecord(event.ptr, stream.ptr)
+        return CudaEvent(event, pool)
 
     def wait(self, stream: cupy.cuda.Stream, event) -> None:
         """Make `stream` wait for `event` (a CudaEvent or a raw cupy.cuda.Event)."""
@@ -397,10 +549,8 @@ class CudaBackend:
             return snap, mirror, np.int64(mirror.size)
 
         args = self._memo("apply_deltas", (snap, mirror), check)
-        hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
-        blocks = min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
         with self.device_context():
-            self._kernel("cupykv_apply_deltas")((blocks,), (STEP_THREADS,), args, stream=stream)
+            self._kernel("cupykv_apply_deltas")((apply_grid(num_values),), (STEP_THREADS,), args, stream=stream)
 
     def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
                    row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
@@ -458,98 +608,37 @@ class CudaBackend:
                  np.int32(1 if shared else 0))
         return planes, fixed
 
-    def launch_step_graph(self, stream: cupy.cuda.Stream, slot, mirror: cupy.ndarray, out: cupy.ndarray,
-                          row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts,
-                          shared: bool, mode: int, seqs_bucket: int, tokens_bucket: int, copy_words: int) -> None:
-        """The step's device work as one CUDA graph launch: the copy of the snapshot slot's first copy_words
-        words, apply_deltas, build_step.
+    def step_plan(self, twin, buffers: tuple, shared: bool) -> "CudaStepPlan":
+        """The step launches for a ring-slot twin and a mirror's buffers, checked and packed once (see
+        plan.StepPlan for the buffers; CudaStepPlan for what run() costs)."""
+        return CudaStepPlan(self, twin, buffers, shared)
 
-        One graph per (buffers, mode, batch-size bucket, token bucket, copy-size bucket), captured on first
-        use unless capture_step_graphs() captured it up front. Every count comes from the snapshot header on
-        the device and the grids are sized for the buckets, so a replay is right for any step that fits
-        them. A slot that grows gets new buffers and so a new graph.
-        """
-        key, buffers = self._graph_key(slot, mirror, out, row_entry, pages, offsets, consts, shared, mode,
-                                       seqs_bucket, tokens_bucket, copy_words)
-        graph = self._graphs.get(key)
-        with self.device_context():
-            if graph is None:
-                graph = self._capture_step_graph(key, buffers, slot, mirror, out, row_entry, pages, offsets, consts,
-                                                 shared, mode, seqs_bucket, tokens_bucket, copy_words)
-            graph.launch(stream)
-
-    def capture_step_graphs(self, slots: Iterable, mirror: cupy.ndarray, out: cupy.ndarray, row_entry: cupy.ndarray,
-                            pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
-                            seqs_buckets: Sequence[int], tokens_buckets: Sequence[int], min_copy_words: int = 1024,
+    def capture_step_graphs(self, plans: Iterable["CudaStepPlan"], seqs_buckets: Sequence[int],
+                            tokens_buckets: Sequence[int], min_copy_words: int = GRAPH_MIN_COPY_WORDS,
                             modes: Sequence[int] = (MODE_FULL, MODE_DELTA)) -> int:
-        """Capture now every step graph that these ring slots can need, so that prepare_batch only replays.
+        """Capture now every step graph that these plans (one per ring-slot twin) can need, so that
+        prepare_batch only replays.
 
         Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph
         does not depend on the batch bucket). Copy buckets are the powers of two from min_copy_words, capped
-        at each slot's capacity (pow2_buckets), which is how the pipeline rounds a step's copy size; pass
-        the batch and token buckets the same way (pow2_buckets(1, max_batch), pow2_buckets(256, capacity)).
-        Call while nothing holds the device, e.g. when the manager is made. Graphs already captured are
-        skipped; returns how many were captured now. A slot added or grown later captures on first use.
+        at each slot's capacity (pow2_buckets), which is how staging.graph_buckets rounds a step's copy size;
+        pass the batch and token buckets the same way. Call while nothing holds the device, e.g. when the
+        manager is made. Graphs already captured are skipped; returns how many were captured now. A slot
+        added or grown later captures on first use.
         """
         captured = 0
-        for slot in slots:
+        for plan in plans:
             for mode in modes:
                 for seqs in ((seqs_buckets[-1],) if int(mode) == MODE_DELTA else seqs_buckets):
                     for tokens in tokens_buckets:
-                        for copy_words in pow2_buckets(min_copy_words, slot.capacity):
-                            args = (slot, mirror, out, row_entry, pages, offsets, consts, shared, mode, seqs, tokens,
-                                    copy_words)
-                            key, buffers = self._graph_key(*args)
-                            if key not in self._graphs:
-                                with self.device_context():
-                                    self._capture_step_graph(key, buffers, *args)
-                                captured += 1
+                        for copy_words in pow2_buckets(min_copy_words, plan.capacity):
+                            captured += plan.capture(int(mode), (copy_words, seqs, tokens))
         return captured
 
     @property
     def num_step_graphs(self) -> int:
         """Step graphs captured so far (each is kept for the life of the backend)."""
         return len(self._graphs)
-
-    def _graph_key(self, slot, mirror, out, row_entry, pages, offsets, consts, shared, mode, seqs_bucket,
-                   tokens_bucket, copy_words):
-        # The graph bakes in every buffer address, so all of them are in the key (a backend may serve
-        # several managers), and the graph keeps its buffers alive. A DELTA graph's grid does not depend on
-        # the batch size (step_grid), so one serves every batch bucket.
-        buffers = (slot.host, slot.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
-                   consts.d_layer_koff, consts.d_group_scale, consts.d_group_null)
-        addresses = self._memo("graph", buffers, lambda: tuple(_address(b) for b in buffers))
-        seqs = 0 if int(mode) == MODE_DELTA else int(seqs_bucket)
-        key = (addresses, slot.capacity, int(mode), seqs, int(tokens_bucket), int(copy_words), bool(shared))
-        return key, buffers
-
-    def _capture_step_graph(self, key, buffers, slot, mirror, out, row_entry, pages, offsets, consts, shared,
-                            mode, seqs_bucket, tokens_bucket, copy_words):
-        """Capture, instantiate and upload one step graph; nothing here waits for the device.
-
-        The kernels are fully loaded first (load_kernels): under lazy loading, instantiating a graph whose
-        kernels were never launched loads them, and loading may synchronize the context, which blocks
-        the host until every busy stream drains. The capture stream exists from construction and is idle,
-        so the upload (which sets up the graph's device resources) does not queue behind the manager
-        stream, and the first replay there only runs the graph.
-        """
-        self.load_kernels("step")
-        cs = self._capture_stream
-        # Relaxed: another thread of the process (a consumer allocating memory, say) may make any CUDA call
-        # while this capture runs; the stricter modes would make such calls fail. The capture itself makes
-        # only asynchronous calls: a copy from pinned memory and two launches.
-        cs.begin_capture(runtime.streamCaptureModeRelaxed)
-        try:
-            self.copy_h2d(slot.dev, slot.host, copy_words, cs)
-            self.apply_deltas(cs, slot.dev, mirror, consts, num_values=None)
-            self.build_step(cs, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode=mode,
-                            num_entries=seqs_bucket, num_values=None, num_tokens=tokens_bucket)
-        finally:
-            graph = cs.end_capture()
-        graph.upload(cs)
-        self._graphs[key] = graph
-        self._graph_buffers[key] = buffers
-        return graph
 
     def write_kv(self, stream: cupy.cuda.Stream, pages: cupy.ndarray, offsets: cupy.ndarray, k: cupy.ndarray,
                  v: cupy.ndarray, dst: cupy.ndarray, num_tokens: int, tokens_per_block: int,

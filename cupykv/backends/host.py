@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import CupykvError
 from ..staging import MODE_DELTA, MODE_FULL, unpack_snapshot
+from .plan import StepPlan
 
 BAD = -1
 
@@ -229,6 +230,10 @@ class HostBackend:
                 _full_tables(s, mirror, out, row_entry, consts, shared)
             _write_positions(s, mirror, pages, offsets, consts, shared)
         stream.enqueue(run)
+
+    def step_plan(self, twin, buffers: tuple, shared: bool) -> StepPlan:
+        """The step launches for a ring-slot twin and a mirror's buffers (plan.StepPlan)."""
+        return StepPlan(self, twin, buffers, shared)
 
     def launch_step_graph(self, stream: SimStream, slot, mirror, out, row_entry, pages, offsets, consts,
                           shared: bool, mode: int, seqs_bucket: int, tokens_bucket: int, copy_words: int) -> None:

@@ -1,0 +1,56 @@
+"""A step's device work on one device, split into plan and run (FlashInfer's split, for the step pipeline).
+
+plan (StepPlan(...), once per ring-slot twin and mirror): the buffers the step's copy and kernels read and
+write, fixed for as long as the twin keeps its buffers. run (every step): the copy of the snapshot, the
+delta apply, the build of the tables and write positions (or the one graph replay that does all three),
+and the step's ready event.
+
+StepPlan composes a backend's primitives (copy_h2d, apply_deltas, build_step, launch_step_graph, record)
+and is what the host backend runs; the CUDA backend's plan (cuda.CudaStepPlan) does the same work with
+its arguments packed once and raw CUDA calls.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+# (copy words, batch bucket, token bucket) of a graph replay (staging.graph_buckets), or None: no graph.
+GraphBuckets = Optional[Tuple[int, int, int]]
+
+
+class StepPlan:
+    """One device's step launches for one ring-slot twin (staging.SlotTwin) and one mirror's buffers.
+
+    buffers: (mirror int32 [P, rows, B], tables int32 PER_LAYER [L, rows, 2, B] or SHARED [P, rows, 2, B],
+    row_entry int32 [rows, 2], write_pages int32 [L, capacity], write_offsets int32 [capacity], consts),
+    as pipeline.Mirror.buffers holds them. Valid while `twin.dev` and `twin.host` are the buffers it was
+    made with (fits()); a ring slot that grows needs a new plan.
+    """
+
+    def __init__(self, backend, twin, buffers: tuple, shared: bool):
+        self.backend, self.twin, self.buffers, self.shared = backend, twin, buffers, bool(shared)
+        self.dev, self.host = twin.dev, twin.host
+
+    def fits(self, twin) -> bool:
+        """Whether this plan is still right for `twin` (its buffers were not replaced by a grown slot)."""
+        return self.twin is twin and self.dev is twin.dev and self.host is twin.host
+
+    def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
+            graph: GraphBuckets = None):
+        """Enqueue the step on `stream` and return its ready event (recorded after all of it).
+
+        words: snapshot words to copy; num_values: changed table cells (no apply launch when 0);
+        num_entries / num_tokens: the batch's entries (padding included) and new tokens (they size the
+        grids; the kernels read the true counts from the snapshot). graph: replay the step graph of these
+        buckets instead (its copy is graph[0] words).
+        """
+        be, (mirror, out, row_entry, pages, offsets, consts) = self.backend, self.buffers
+        if graph is not None:
+            copy_words, seqs, tokens = graph
+            be.launch_step_graph(stream, self.twin, *self.buffers, self.shared, mode, seqs, tokens, copy_words)
+        else:
+            be.copy_h2d(self.dev, self.host, words, stream)
+            if num_values:      # a steady decode step often changes no cell: one launch fewer
+                be.apply_deltas(stream, self.dev, mirror, consts, num_values=num_values)
+            be.build_step(stream, self.dev, mirror, out, row_entry, pages, offsets, consts, self.shared, mode,
+                          num_entries=num_entries, num_values=num_values, num_tokens=num_tokens)
+        return be.record(stream)
