@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile]
+# [profile] [profile-ab]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -64,7 +64,16 @@ for part in $parts; do
     bench-devices)   # one manager on 1 and 2 devices: host and device time per decode step
       run bench_devices timeout 300 python3 -m cupykv.bench devices --out /tmp/bench_devices
       cp /tmp/bench_devices/devices.md "$OUT/bench_devices.md" 2>/dev/null ;;
-    profile) run host_calls timeout 60 python3 scripts/host_calls.py 256 ;;
+    profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
+    profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice
+      for i in 1 2; do
+        for tree in . old_tree; do
+          [ -d "$tree/cupykv" ] || continue
+          echo "== $tree run $i" >>"$OUT/profile_ab.log"
+          (cd "$tree" && PYTHONPATH=. timeout 120 python3 scripts/host_calls.py 256) >>"$OUT/profile_ab.log" 2>&1
+        done
+      done
+      cat "$OUT/profile_ab.log" ;;
   esac
 done
 exit $rc

@@ -8,7 +8,6 @@ package imports on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 import time
 import weakref
@@ -42,49 +41,73 @@ MEMCPY_DEFAULT = getattr(runtime, "memcpyDefault", 4)
 GATE_TIMEOUT_S = 10.0
 
 
-class CudaEvent:
-    """A CUDA event with sleeping host waits (block=True), with the interface of host.SimEvent.
+EVENT_FLAGS = runtime.eventBlockingSync | runtime.eventDisableTiming
 
-    Like a CUDA event, one that was never recorded counts as complete. `event` is the cupy.cuda.Event.
-    Events come from their backend's pool (record()): when a CudaEvent is dropped and nothing else holds
-    its cupy event, the event goes back to the pool. Recording it again then cannot mislead anyone:
-    nobody can query it, and a stream wait enqueued earlier waits for the record it saw then.
+
+class CudaEvent:
+    """A CUDA event with sleeping host waits (blocking sync), with the interface of host.SimEvent.
+
+    Like a CUDA event, one that was never recorded counts as complete. `ptr` is the raw handle (what
+    cupy's Stream.wait_event and get_elapsed_time read; `event` is the same object, for code written for
+    a cupy.cuda.Event). Handles come from their backend's pool (CudaBackend.record) and go back to it when
+    the CudaEvent is dropped: recording one again cannot mislead anyone, since nobody can query it any more
+    and a stream wait enqueued earlier waits for the record it saw then. The handle is a plain int owned
+    by this object alone, so no other finalizer can destroy it behind the pool's back (a pooled
+    cupy.cuda.Event could be: its own __del__ runs in the same garbage-collection pass as ours).
     """
 
-    __slots__ = ("event", "_pool")
+    __slots__ = ("ptr", "_pool")
 
-    def __init__(self, event: Optional[cupy.cuda.Event] = None, pool: Optional[list] = None):
-        self.event = event if event is not None else cupy.cuda.Event(block=True, disable_timing=True)
+    def __init__(self, ptr: Optional[int] = None, pool: Optional[list] = None):
+        self.ptr = runtime.eventCreateWithFlags(EVENT_FLAGS) if ptr is None else ptr
         self._pool = pool
 
+    @property
+    def event(self) -> "CudaEvent":
+        return self
+
     def record(self, stream: cupy.cuda.Stream) -> "CudaEvent":
-        runtime.eventRecord(self.event.ptr, stream.ptr)
+        runtime.eventRecord(self.ptr, stream.ptr)
         return self
 
     def done(self) -> bool:
-        return bool(self.event.done)
+        return runtime.eventQuery(self.ptr) == 0
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Host wait; False when the event has not completed within `timeout` seconds (None: forever)."""
         if timeout is None:
-            self.event.synchronize()
+            runtime.eventSynchronize(self.ptr)
             return True
         deadline = time.monotonic() + timeout
-        while not self.event.done:
+        while not self.done():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(50e-6)
-        self.event.synchronize()   # cheap once done; surfaces a sticky CUDA error here, not later
+        runtime.eventSynchronize(self.ptr)   # cheap once done; surfaces a sticky CUDA error here, not later
         return True
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        runtime.eventSynchronize(self.ptr)
 
     def __del__(self):
         pool = self._pool
-        # Two references: our slot and getrefcount's argument; a third is a caller holding `.event`.
-        if pool is not None and len(pool) < EVENT_POOL and sys.getrefcount(self.event) <= 2:
-            pool.append(self.event)
+        if pool is not None and len(pool) < EVENT_POOL:
+            pool.append(self.ptr)
+            return
+        try:
+            runtime.eventDestroy(self.ptr)
+        except Exception:       # interpreter shutdown: CUDA may be gone already
+            pass
+
+
+def _destroy_events(pool: list) -> None:
+    """A backend's finalizer: destroy its idle event handles (events dropped later are destroyed by the
+    CudaEvent once the pool is full)."""
+    while pool:
+        try:
+            runtime.eventDestroy(pool.pop())
+        except Exception:
+            pass
 
 
 class CudaGate:
@@ -395,7 +418,8 @@ class CudaBackend:
         self._memo_cache: dict = {}
         self._copy_ptrs: dict = {}
         self._kernels: dict = {}
-        self._events: List[cupy.cuda.Event] = []       # idle events of this device (CudaEvent)
+        self._events: List[int] = []        # idle event handles of this device (CudaEvent)
+        weakref.finalize(self, _destroy_events, self._events)
         self._clock_khz: Optional[int] = None
         # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
         # another stream); dropped once the event recorded after that work has completed. See keep_until.
@@ -419,16 +443,15 @@ class CudaBackend:
         """An event recorded on `stream` (a stream of this backend's device), from this backend's pool."""
         pool = self._events
         try:
-            event = pool.pop()
+            event = CudaEvent(pool.pop(), pool)
         except IndexError:
             with self.device_context():     # an event belongs to the device current when it is made
-                event = cupy.cuda.Event(block=True, disable_timing=True)
-        runtime.eventRecord(event.ptr, stream.ptr)
-        return CudaEvent(event, pool)
+                event = CudaEvent(pool=pool)
+        return event.record(stream)
 
     def wait(self, stream: cupy.cuda.Stream, event) -> None:
-        """Make `stream` wait for `event` (a CudaEvent or a raw cupy.cuda.Event)."""
-        stream.wait_event(getattr(event, "event", event))
+        """Make `stream` wait for `event` (a CudaEvent or a cupy.cuda.Event)."""
+        runtime.streamWaitEvent(stream.ptr, event.ptr)
 
     def gate(self, stream: cupy.cuda.Stream, timeout_s: float = GATE_TIMEOUT_S) -> CudaGate:
         """Enqueue a gate on `stream`: work enqueued after it runs only once gate.open() is called.
