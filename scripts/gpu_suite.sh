@@ -37,7 +37,8 @@ for part in $parts; do
       done
       cat "$OUT/breakdown.log" ;;
     segments)   # GPU time of each part of a step, from events between the backend calls (gated enqueue)
-      for cfg in "gpt-oss-20b 32768 1" "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs"; do
+      for cfg in "gpt-oss-20b 32768 1" "gpt-oss-20b 32768 1 --graphs" "gpt-oss-120b 131072 256" \
+                 "gpt-oss-120b 131072 256 --graphs"; do
         timeout 100 python3 scripts/kernel_breakdown.py $cfg 16 --segments >>"$OUT/segments.log" 2>&1
       done
       cat "$OUT/segments.log" ;;

@@ -17,7 +17,8 @@ import pytest
 from cupykv.backends.host import HostBackend
 from cupykv.layout import Layout
 from cupykv.spec import CacheSpec
-from cupykv.staging import MODE_DELTA, MODE_FULL, pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from cupykv.staging import (MODE_DELTA, MODE_FULL, RingSlot, graph_buckets, pack_snapshot, runs_from_cells,
+                            snapshot_words, unpack_snapshot)
 from oracle import expected_write_positions, reference_tables
 
 BAD = -1
@@ -200,9 +201,28 @@ class StepBuffers:
         self.pages = backend.device_full((L, capacity), SENTINEL)
         self.offsets = backend.device_full(capacity, SENTINEL)
 
-    def run(self, snap: np.ndarray, mode: int, hints=(None, None, None)) -> None:
-        """Copy the snapshot in, apply its deltas, build the step; hints: (entries, values, tokens)."""
+    def run(self, snap: np.ndarray, mode: int, hints=(None, None, None), path: str = "kernels") -> None:
+        """Copy the snapshot in, apply its deltas, build the step; hints: (entries, values, tokens).
+
+        path "kernels": the copy and the two kernels, each its own call; "plan": the backend's StepPlan,
+        what the pipeline runs (on CUDA one cupykv_step launch), with the hints as its counts, or as a
+        graph replay sized by the buckets of the snapshot's counts when the hints are None."""
         be = self.backend
+        if path == "plan":
+            slot = RingSlot([be], len(snap))
+            slot.host[:] = snap
+            plan = be.step_plan(slot.twins[0], (self.mirror, self.out, self.row_entry, self.pages, self.offsets,
+                                                self.consts), self.shared)
+            h = unpack_snapshot(snap, self.layout.num_groups)
+            entries, tokens = max(h["num_seqs"], h["pad_to"]), h["num_tokens"]
+            graph = None
+            if hints[0] is None:
+                graph = graph_buckets(len(snap), entries, tokens, slot.capacity, self.layout.spec.max_batch,
+                                      self.offsets.size)
+                hints = (entries, len(h["values"]), tokens)
+            plan.run(be.stream, mode, len(snap), hints[1], hints[0], hints[2], graph).synchronize()
+            be.synchronize()
+            return
         host = be.pinned_empty(len(snap))
         host[:] = snap
         dev = be.device_empty(len(snap))
@@ -237,16 +257,17 @@ class StepBuffers:
         assert (pages[:, t:] == SENTINEL).all() and (offsets[t:] == SENTINEL).all(), f"{what}: tokens past the step"
 
 
-def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None), null: bool = False):
+def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None), null: bool = False,
+                  path: str = "kernels"):
     """FULL steps (per-layer and shared) and, for batches without contexts, a DELTA step after a FULL one;
-    null: with the case's null slots."""
+    null: with the case's null slots; path: StepBuffers.run's."""
     for layout, case in cases(rng, spec_name, scenario):
         P = layout.num_groups
         capacity = case.num_tokens + 5
         for shared in (False, True):
             bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
             snap = pack(case, P)
-            bufs.run(snap, MODE_FULL, hint_fn(case))
+            bufs.run(snap, MODE_FULL, hint_fn(case), path)
             assert np.array_equal(backend.to_numpy(bufs.mirror), apply_runs(case.old, snap, P))
             assert np.array_equal(backend.to_numpy(bufs.mirror), case.new)
             bufs.check(case, case.new, f"{backend.name} FULL shared={shared}")
@@ -256,16 +277,16 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
                 continue
             # DELTA: the output holds the old table's FULL tables (epoch 42); the deltas bring it to the new one.
             bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
-            bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
+            bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
             bufs.check(case, case.old, f"{backend.name} FULL (before DELTA) shared={shared}")
-            bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case))
+            bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
             bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
             # A DELTA step of another epoch does not find its rows in the map and writes no table cell.
             if len(case.cells):
                 bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
-                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case))
+                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
                 before = backend.to_numpy(bufs.out)
-                bufs.run(pack(case, P, mode=MODE_DELTA, epoch=43), MODE_DELTA, hint_fn(case))
+                bufs.run(pack(case, P, mode=MODE_DELTA, epoch=43), MODE_DELTA, hint_fn(case), path)
                 assert np.array_equal(backend.to_numpy(bufs.out), before), "a DELTA step of another epoch wrote"
 
 
@@ -273,8 +294,9 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
 @pytest.mark.parametrize("null", [False, True], ids=["bad", "null_slot"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_host_kernels_match_reference(rng, spec_name, scenario, null):
-    check_backend(HostBackend(), rng, spec_name, scenario, null=null)
+@pytest.mark.parametrize("path", ["kernels", "plan"])
+def test_host_kernels_match_reference(rng, spec_name, scenario, null, path):
+    check_backend(HostBackend(), rng, spec_name, scenario, null=null, path=path)
 
 
 def test_deltas_cover_every_change(rng):
@@ -315,8 +337,11 @@ HINTS = {"none": lambda c: (None, None, None),
 @pytest.mark.parametrize("hints", sorted(HINTS))
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints, null):
-    check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null)
+@pytest.mark.parametrize("path", ["kernels", "plan"])
+def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints, null, path):
+    """path "plan" is cupykv_step, the pipeline's one launch per step (eager, and captured into a graph with
+    the "none" hints), against the same oracle."""
+    check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null, path=path)
 
 
 @requires_gpu
@@ -391,3 +416,25 @@ def test_apply_skips_cells_outside_the_mirror(backend_name, request):
     want[[5, 6]] = [104, 105]
     want[[size - 2, size - 1]] = [106, 107]     # the last run's cells size, size + 1 are skipped
     assert np.array_equal(backend.to_numpy(mirror), want)
+
+
+@requires_gpu
+def test_pooled_events_survive_a_garbage_cycle(cuda_backend):
+    """Events dropped inside reference cycles go back to the backend's pool still usable: reusing them records
+    and completes. A pool of cupy.cuda.Event objects fails this: the garbage collector runs cupy's finalizer,
+    which destroys the handle, in the same pass as the one that returns the object to the pool."""
+    import gc
+    be = cuda_backend
+    gc.collect()
+    pooled = len(be._events)
+    for _ in range(8):
+        event = be.record(be.stream)
+        cycle = [event]
+        cycle.append(cycle)
+        del event, cycle
+    gc.collect()
+    assert len(be._events) >= pooled + 8, "the events in the cycles did not come back to the pool"
+    for _ in range(len(be._events) + 2):
+        event = be.record(be.stream)
+        event.synchronize()
+        assert event.done()

@@ -142,3 +142,42 @@ def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
               for a in args]
     assert passed == kinds, f"launch arguments {passed} vs kernel parameters {kinds}"
     assert any(a is consts.d_group_null for a in args), "the null slots do not reach the kernel"
+
+
+def test_step_launch_arguments_match_the_kernel_signature(monkeypatch):
+    """The arguments the pipeline's one launch per step passes to cupykv_step (built from cupykv_build_step's,
+    test above) line up one for one with the kernel's parameters, and the per-step values the plan sets
+    before each launch (copy words, the phase grids) sit where the kernel reads them."""
+    import ctypes
+    import types
+    import numpy as np
+    from cupykv.backends import cuda
+    from cupykv.layout import Layout
+    from cupykv.pipeline import KernelConsts
+    from cupykv.spec import CacheSpec
+
+    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
+    assert ok, ptx
+    params = re.search(r"\.entry\s+cupykv_step\s*\(([^)]*)\)", ptx).group(1)
+    kinds = re.findall(r"\.param\s+\.(\w+)", params)
+    lay = Layout(CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16, max_seq_len=200,
+                           max_batch=3, slots_per_group=10))
+    monkeypatch.setattr(cuda, "_require_device", lambda *a, **k: None)      # numpy stand-ins for device arrays
+    consts = KernelConsts(lay, 3, types.SimpleNamespace(upload=np.array))
+    B, L = lay.max_blocks, lay.num_layers
+    mirror = np.zeros((lay.num_groups, 3, B), np.int32)
+    _, fixed = cuda.CudaBackend._step_launch_args(
+        np.zeros(64, np.int32), mirror, np.zeros((L, 3, 2, B), np.int32), np.zeros((3, 2), np.int32),
+        np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+    sync = np.zeros(4, np.int32)
+    args = cuda._fused_launch_args(ctypes.c_uint64(0), fixed, np.int64(mirror.size), sync)
+    passed = ["u64" if isinstance(a, (np.ndarray, ctypes.c_uint64, np.int64)) else
+              "u32" if isinstance(a, np.int32) else type(a).__name__ for a in args]
+    assert passed == kinds, f"launch arguments {passed} vs kernel parameters {kinds}"
+    names = re.findall(r"cupykv_step\(([^)]*)\)", kernels.module_source("step"))[-1]
+    names = [p.split()[-1].lstrip("*") for p in names.replace("\n", " ").split(",")]
+    assert len(names) == len(args)
+    for index, name in ((cuda.STEP_ARG_COPY_WORDS, "copy_words"), (cuda.STEP_ARG_COPY_BLOCKS, "copy_blocks"),
+                        (cuda.STEP_ARG_APPLY_BLOCKS, "apply_blocks"), (cuda.STEP_ARG_TABLE_BLOCKS, "table_blocks")):
+        assert names[index] == name and isinstance(args[index], np.int32)
+    assert args[-1] is sync and args[1] is fixed[0] and args[3] is mirror

@@ -274,6 +274,8 @@ class PackedLaunch:
 
 
 def _argument_cell(arg):
+    if isinstance(arg, ctypes.c_uint64):      # a raw device address
+        return arg
     if isinstance(arg, cupy.ndarray):
         return ctypes.c_uint64(arg.data.ptr)
     if isinstance(arg, np.int32):
@@ -283,26 +285,46 @@ def _argument_cell(arg):
     raise TypeError(f"PackedLaunch: unsupported argument {type(arg).__name__} (cupy array, np.int32 or np.int64)")
 
 
+# cupykv_step's arguments that change from step to step (indices into _fused_launch_args), and its copy
+# phase's grid: 4 words per thread, at most COPY_MAX_BLOCKS blocks (they grid-stride).
+STEP_ARG_COPY_WORDS, STEP_ARG_COPY_BLOCKS, STEP_ARG_APPLY_BLOCKS, STEP_ARG_TABLE_BLOCKS = 2, -4, -3, -2
+COPY_WORDS_PER_BLOCK = 4 * STEP_THREADS
+COPY_MAX_BLOCKS = 16
+
+
+def _fused_launch_args(host_snap, build_args: tuple, mirror_size: np.int64, sync) -> tuple:
+    """cupykv_step's arguments from cupykv_build_step's (CudaBackend._step_launch_args, without its table
+    block count): the pinned slot's device address, the snapshot twin, the copy size, the mirror and its
+    size, the rest of the build's, then the phase grids and the sync counters. The per-step values are
+    placeholders (STEP_ARG_*), set before each launch."""
+    snap, mirror, rest = build_args[0], build_args[1], build_args[2:]
+    return (host_snap, snap, np.int32(0), mirror, mirror_size) + rest + (np.int32(0),) * 3 + (sync,)
+
+
 class CudaStepPlan(StepPlan):
-    """StepPlan on the CUDA backend: the buffers checked, their pointers read and both kernels' arguments
-    packed once, so that run() is a few raw CUDA calls under one device scope: a memcpyAsync and two
-    cuLaunchKernel (or one cudaGraphLaunch) and an event record from the backend's pool."""
+    """StepPlan on the CUDA backend: one cupykv_step launch per step (kernels/step.cu: the snapshot copy, the
+    delta apply and the build as phases of one grid), its arguments checked and packed once, so that run()
+    is a cuLaunchKernel (or a cudaGraphLaunch) and an event record from the backend's pool, under one
+    device scope."""
 
     def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
         super().__init__(backend, twin, buffers, shared)
         mirror, out, row_entry, pages, offsets, consts = buffers
         self.planes, fixed = backend._step_launch_args(twin.dev, *buffers, shared)
         self.capacity = twin.capacity
-        self._copy = (twin.dev.data.ptr, twin.host.ctypes.data, min(twin.dev.size, twin.host.size))
+        self._fits = min(twin.dev.size, twin.host.size)
         with backend.device_context():
-            self._apply = PackedLaunch(backend._kernel("cupykv_apply_deltas"),
-                                       (twin.dev, mirror, np.int64(mirror.size)))
-            self._build = PackedLaunch(backend._kernel("cupykv_build_step"), fixed + (np.int32(1),))
+            # The kernel reads the pinned slot where the device addresses it (the host address itself under
+            # unified addressing, which every 64-bit CUDA platform has).
+            host = ctypes.c_uint64(runtime.pointerGetAttributes(twin.host.ctypes.data).devicePointer)
+            self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
+            self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
+                host, fixed, np.int64(mirror.size), self._sync))
         self._grid = (self.planes, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
-                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null)
+                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null, self._sync)
         self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
 
     def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
@@ -335,18 +357,20 @@ class CudaStepPlan(StepPlan):
 
     def _enqueue(self, stream_ptr: int, mode: int, words: int, num_values: Optional[int],
                  num_entries: Optional[int], num_tokens: Optional[int]) -> None:
-        """The copy and the kernels, eager or into a capture. num_values None: a graph's fixed apply grid
-        (always launched); 0: no apply launch."""
-        dst, src, fits = self._copy
-        if words > fits:
-            raise ValueError(f"step copy: {words} words do not fit the ring slot ({fits})")
-        runtime.memcpyAsync(dst, src, words * 4, runtime.memcpyHostToDevice, stream_ptr)
-        if num_values != 0:
-            self._apply(apply_grid(num_values), stream_ptr)
+        """The step's launch, eager or into a capture. num_values None: a graph's fixed apply grid; 0: no
+        apply blocks."""
+        if words > self._fits:
+            raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
         planes, max_blocks, max_batch, capacity = self._grid
         table, pos = step_grid(planes, max_blocks, max_batch, capacity, mode, num_entries, num_values, num_tokens)
-        self._build.cells[-1].value = table
-        self._build(table + pos, stream_ptr)
+        copy = min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
+        apply = 0 if num_values == 0 else apply_grid(num_values)
+        cells = self._step.cells
+        cells[STEP_ARG_COPY_WORDS].value = words
+        cells[STEP_ARG_COPY_BLOCKS].value = copy
+        cells[STEP_ARG_APPLY_BLOCKS].value = apply
+        cells[STEP_ARG_TABLE_BLOCKS].value = table
+        self._step(copy + apply + table + pos, stream_ptr)
 
     def _capture(self, key: tuple, mode: int, graph: tuple):
         """Capture, instantiate and upload one step graph; nothing here waits for the device.
@@ -363,7 +387,7 @@ class CudaStepPlan(StepPlan):
         copy_words, seqs, tokens = graph
         # Relaxed: another thread of the process (a consumer allocating memory, say) may make any CUDA call
         # while this capture runs; the stricter modes would make such calls fail. The capture itself makes
-        # only asynchronous calls: a copy from pinned memory and two launches.
+        # one asynchronous call: the launch.
         cs.begin_capture(runtime.streamCaptureModeRelaxed)
         try:
             self._enqueue(cs.ptr, mode, copy_words, None, seqs, tokens)

@@ -1,6 +1,7 @@
 """The CUDA C++ kernels of the CUDA backend, one file per user, and the exact source of each module.
 
-- step.cu: the per-step device work (cupykv_apply_deltas, cupykv_build_step), run by the manager's pipeline.
+- step.cu: the per-step device work: cupykv_step (the pipeline's one launch per step), and its parts as
+  kernels of their own (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
 - gate.cu: the test gate (cupykv_gate).
 
@@ -19,8 +20,8 @@ from ..staging import cuda_constants
 KERNEL_DIR = Path(__file__).resolve().parent
 OPTIONS = ("-std=c++17",)
 
-# Threads per block of every step kernel launch; cupykv_build_step declares it as its __launch_bounds__,
-# and a launch with more threads than that would fail.
+# Threads per block of every step kernel launch; cupykv_build_step and cupykv_step declare it as their
+# __launch_bounds__, and a launch with more threads than that would fail.
 STEP_THREADS = 256
 
 
@@ -35,7 +36,7 @@ def _step_prelude() -> str:
 
 
 MODULES: Dict[str, KernelModule] = {
-    "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step"), _step_prelude),
+    "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step"), _step_prelude),
     "kv_write": KernelModule("kv_write.cu", ("cupykv_write_kv_u16", "cupykv_write_kv_u32")),
     "gate": KernelModule("gate.cu", ("cupykv_gate",)),
 }

@@ -1,5 +1,6 @@
 // cupykv step kernels: apply table deltas to the device mirror, then build the page tables and the write
-// positions (cupykv_apply_deltas, cupykv_build_step).
+// positions (cupykv_apply_deltas, cupykv_build_step), or the whole step, snapshot copy included, in one
+// launch (cupykv_step, at the end of this file: what the manager's pipeline runs).
 //
 // Every kernel reads its per-step counts from the snapshot header on the device, never from launch
 // arguments. That keeps launches identical from step to step (a CUDA graph can replay them with a grid
@@ -41,8 +42,7 @@ __device__ __forceinline__ int find_run(const int* __restrict__ run_voff, int nu
 // Apply the step's table deltas to the mirror [P, rows, B]: one thread per changed cell (grid-stride, so
 // any fixed grid covers any number of cells). Runs are mostly one or two cells long in decode steps, so a
 // thread per cell keeps every lane busy where a block per run would leave most of them idle.
-extern "C" __global__ void cupykv_apply_deltas(const int* __restrict__ snap, int* __restrict__ mirror,
-                                               long long mirror_size)
+__device__ void apply_deltas(const int* snap, int* mirror, long long mirror_size, int block, int nblocks)
 {
     const int num_runs = snap[H_NUM_RUNS];
     const int num_values = snap[H_NUM_VALUES];
@@ -50,12 +50,18 @@ extern "C" __global__ void cupykv_apply_deltas(const int* __restrict__ snap, int
     const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
     const int* values = snap + snap[H_OFF_VALUES];
 
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_values; i += gridDim.x * blockDim.x) {
+    for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
         const int r = find_run(run_voff, num_runs, i);
         const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
         if (0 <= cell && cell < mirror_size)
             mirror[cell] = values[i];
     }
+}
+
+extern "C" __global__ void cupykv_apply_deltas(const int* __restrict__ snap, int* __restrict__ mirror,
+                                               long long mirror_size)
+{
+    apply_deltas(snap, mirror, mirror_size, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 // base * scale + offset, BAD for BAD: the page of a block that has its own slot.
@@ -326,10 +332,31 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks)
     }
 }
 
-// The step's tables and write positions in one launch, after cupykv_apply_deltas. Blocks [0, table_blocks)
-// build the tables (FULL or DELTA, as the header says); the rest write the positions. Both parts read only the
-// mirror and the snapshot, so they need no ordering between them. Every part grid-strides and reads its counts
-// from the header, so any grid is correct; the host sizes it for the step (or for a graph's bucket).
+// Blocks [0, table_blocks) of `nblocks` build the tables (FULL or DELTA, as the header says); the rest write
+// the positions. Both parts read only the mirror and the snapshot, so they need no ordering between them.
+__device__ void build_step(const StepArgs& a, int block, int nblocks, int table_blocks)
+{
+    if (block < table_blocks) {
+        if (a.snap[H_MODE] == MODE_DELTA) {
+            delta_tables(a, block, table_blocks);
+            return;
+        }
+        const int planes = a.shared ? a.num_groups : a.num_layers;
+        const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
+        const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
+        const long long per_plane = static_cast<long long>(live) * (a.B / 4);
+        const long long total = per_plane * planes;
+        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last strides without overflow
+            full_tables<int>(a, block, table_blocks, static_cast<int>(per_plane), static_cast<int>(total));
+        else
+            full_tables<long long>(a, block, table_blocks, per_plane, total);
+    } else {
+        write_positions(a, block - table_blocks, nblocks - table_blocks);
+    }
+}
+
+// The step's tables and write positions in one launch, after cupykv_apply_deltas. Every part grid-strides
+// and reads its counts from the header, so any grid is correct; the host sizes it for the step.
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
                   int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
@@ -339,22 +366,87 @@ cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, 
 {
     const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
                      group_null, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
-    const int block = static_cast<int>(blockIdx.x);
-    if (block < table_blocks) {
-        if (snap[H_MODE] == MODE_DELTA) {
-            delta_tables(a, block, table_blocks);
-            return;
-        }
-        const int planes = shared ? num_groups : num_layers;
-        const int num_seqs = max(0, min(snap[H_NUM_SEQS], max_batch));
-        const int live = max(num_seqs, min(snap[H_PAD_TO], max_batch));   // padding rows are written too
-        const long long per_plane = static_cast<long long>(live) * (B / 4);
-        const long long total = per_plane * planes;
-        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last strides without overflow
-            full_tables<int>(a, block, table_blocks, static_cast<int>(per_plane), static_cast<int>(total));
-        else
-            full_tables<long long>(a, block, table_blocks, per_plane, total);
+    build_step(a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), table_blocks);
+}
+
+// ---- The whole step in one launch ------------------------------------------------------------------------
+//
+// cupykv_step does what the snapshot copy, cupykv_apply_deltas and cupykv_build_step do one after the other,
+// in phases inside one grid: copy the snapshot from the pinned ring slot (read over the bus: host memory that
+// the device addresses directly) into its device twin; apply the deltas to the mirror; build the tables and
+// write positions. A phase's blocks wait for the phases it reads from: the apply for the copy; DELTA tables
+// (they read only the snapshot) for the copy; FULL tables and the write positions (they read the mirror)
+// for the apply as well. That saves the GPU two dependent operations per step, and the host two launches.
+//
+// Roles go by ticket, not blockIdx: a block takes the next ticket when it starts running, so every block a
+// waiting block waits for holds a smaller ticket and is already resident; none of them waits for a larger
+// one, so the grid always makes progress however many blocks fit on the device at once.
+//
+// sync[4] (device memory, zero between launches): [0] the next ticket, [1] copy blocks done, [2] apply blocks
+// done, [3] blocks exited. The last block to exit zeroes them for the next launch; launches that share a sync
+// buffer must not overlap (one mirror's steps run in order on its manager stream).
+constexpr int SYNC_TICKET = 0, SYNC_COPIED = 1, SYNC_APPLIED = 2, SYNC_EXITED = 3;
+
+__device__ __forceinline__ void phase_done(int* sync, int which)
+{
+    __threadfence();              // this thread's writes are visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0)
+        atomicAdd(sync + which, 1);
+}
+
+__device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
+{
+    if (threadIdx.x == 0) {
+        while (atomicAdd(sync + which, 0) < blocks)
+            __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
+            int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_group,
+            const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
+            const int* __restrict__ group_null, int num_layers, int num_groups, int rows, int max_batch, int B,
+            int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks, int* sync)
+{
+    __shared__ int ticket;
+    if (threadIdx.x == 0)
+        ticket = atomicAdd(sync + SYNC_TICKET, 1);
+    __syncthreads();
+    const int t = ticket;
+    if (t < copy_blocks) {
+        // 16-byte words where both buffers allow it (ring slots are), then the tail one word at a time.
+        const int stride = copy_blocks * blockDim.x;
+        const bool vec = ((reinterpret_cast<unsigned long long>(host_snap) |
+                           reinterpret_cast<unsigned long long>(snap)) & 15) == 0;
+        const int quads = vec ? copy_words / 4 : 0;
+        for (int i = t * blockDim.x + threadIdx.x; i < quads; i += stride)
+            reinterpret_cast<int4*>(snap)[i] = reinterpret_cast<const int4*>(host_snap)[i];
+        for (int i = quads * 4 + t * blockDim.x + threadIdx.x; i < copy_words; i += stride)
+            snap[i] = host_snap[i];
+        phase_done(sync, SYNC_COPIED);
+    } else if (t < copy_blocks + apply_blocks) {
+        wait_phase(sync, SYNC_COPIED, copy_blocks);
+        apply_deltas(snap, mirror, mirror_size, t - copy_blocks, apply_blocks);
+        phase_done(sync, SYNC_APPLIED);
     } else {
-        write_positions(a, block - table_blocks, static_cast<int>(gridDim.x) - table_blocks);
+        const int block = t - copy_blocks - apply_blocks;
+        const int nblocks = static_cast<int>(gridDim.x) - copy_blocks - apply_blocks;
+        wait_phase(sync, SYNC_COPIED, copy_blocks);
+        const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA;
+        if (reads_mirror)
+            wait_phase(sync, SYNC_APPLIED, apply_blocks);
+        const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
+                         group_null, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+        build_step(a, block, nblocks, table_blocks);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(sync + SYNC_EXITED, 1) == static_cast<int>(gridDim.x) - 1) {
+        // Every block has passed its waits: nobody reads the counters again in this launch.
+        sync[SYNC_TICKET] = sync[SYNC_COPIED] = sync[SYNC_APPLIED] = sync[SYNC_EXITED] = 0;
+        __threadfence();
     }
 }
