@@ -314,9 +314,11 @@ class CudaStepPlan(StepPlan):
         self.capacity = twin.capacity
         self._fits = min(twin.dev.size, twin.host.size)
         with backend.device_context():
-            # The kernel reads the pinned slot where the device addresses it (the host address itself under
-            # unified addressing, which every 64-bit CUDA platform has).
-            host = ctypes.c_uint64(runtime.pointerGetAttributes(twin.host.ctypes.data).devicePointer)
+            # The kernel reads the pinned slot at its host address: under unified addressing (every 64-bit
+            # CUDA platform) pinned host memory is directly accessible from every device at that address.
+            # (cudaPointerGetAttributes would say so too, but not in a thread that has no current context
+            # yet: there it reports a device address of 0.)
+            host = ctypes.c_uint64(twin.host.ctypes.data)
             self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
