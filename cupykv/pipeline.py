@@ -6,14 +6,14 @@ Order of one step (everything after the host packing is asynchronous):
     host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending)
     then, on each device's manager stream (one Mirror per device; one device by default):
             wait for the previous step's finish on it     (its consumer's reads come before our writes)
-            copy the ring slot to its twin there           (reads the pinned slot, never the live table)
-            apply the deltas to the mirror                 (skipped when no table cell changed)
-            build the tables and write positions           (FULL: the batch's rows; DELTA: changed cells)
+            run the backend's StepPlan for the slot's twin (backends/plan.py; on CUDA one cupykv_step
+            launch, or its graph replay with use_graphs):
+                copy the ring slot to its twin there       (reads the pinned slot, never the live table)
+                apply the deltas to the mirror             (nothing to apply when no table cell changed)
+                build the tables and write positions       (FULL: the batch's rows; DELTA: changed cells)
             record its `ready` (also the twin's copy event: the slot is reused only after every twin's)
 
-Every device gets the same snapshot, so the same mode and the same tables. With use_graphs the copy,
-apply and build are one CUDA graph replay per device instead of three launches. Each device's part of a
-step is its backend's StepPlan for the slot's twin (backends/plan.py): made once, run every step.
+Every device gets the same snapshot, so the same mode and the same tables.
 """
 from __future__ import annotations
 

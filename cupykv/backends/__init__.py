@@ -1,9 +1,10 @@
 """Backends: where the step pipeline's copies and kernels run.
 
 Both backends offer the same small interface (see host.HostBackend for the reference version):
-streams, events, pinned and device buffers, an H2D copy that reads its source when it executes, and
-the three kernels (apply deltas, convert PER_LAYER, convert SHARED). The manager's pipeline is written
-once against that interface.
+streams, events, pinned and device buffers, an H2D copy that reads its source when it executes, the
+step's two kernels (apply the deltas, build the tables and write positions), and step_plan(): a step's
+device work planned once per ring-slot twin and run every step (plan.py; on CUDA one launch). The
+manager's pipeline is written once against that interface.
 """
 from __future__ import annotations
 
