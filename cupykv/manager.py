@@ -393,7 +393,9 @@ class KVCacheManager:
             held = []
             for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
                 pool = self.pools[g.index]
-                own = np.array([b for b in range(lo, hi) if not s_lo <= b < s_hi], np.int64)
+                own = np.arange(lo, hi)
+                if s_lo < s_hi:
+                    own = own[(own < s_lo) | (own >= s_hi)]
                 self.page_table.write(self.page_table.cells(g.index, row, own), pool.allocate(len(own)))
                 s = pool.allocate(g.scratch_slots_needed(s_hi - s_lo))
                 if len(s):
