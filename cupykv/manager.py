@@ -52,7 +52,8 @@ class _Plan:
     ctx_ids: list
     ctx_rows: List[int]
     ctx_tokens: List[int]
-    ctx_blocks: list                   # per context, per group: (lo, hi, scratch_lo, scratch_hi)
+    ctx_blocks: list                   # per context, per group: (lo, hi, scratch_lo, scratch_hi, scratch slots)
+    ctx_slots: List[int]               # per group: the slots the context chunks take (own and scratch)
     gen_ids: list
     gen: Optional[GenBatch]
     gen_cap: np.ndarray                # capacity of each generation entry before this step
@@ -279,6 +280,7 @@ class KVCacheManager:
                                  "(step.on(rank).finish(stream) per device) after its consumer's last read, "
                                  "before preparing the next step (the next step overwrites its tables)")
         ctx_rows, ctx_tokens, ctx_blocks = [], [], []
+        ctx_slots, ctx_cells, M = [0] * lay.num_groups, 0, 0
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
             if reqs.suspended[row]:
@@ -292,8 +294,16 @@ class KVCacheManager:
                                           f"({old} of {prompt} already scheduled)")
             ctx_rows.append(row)
             ctx_tokens.append(n)
-            ctx_blocks.append([g.new_blocks(old, old + n) + self._scratch_range(g, row, old, old + n)
-                               for g in lay.groups])
+            per_group = []
+            for g in lay.groups:
+                lo, hi = g.new_blocks(old, old + n)
+                s_lo, s_hi = self._scratch_range(g, row, old, old + n)
+                sc = g.scratch_slots_needed(s_hi - s_lo)
+                per_group.append((lo, hi, s_lo, s_hi, sc))
+                ctx_slots[g.index] += (hi - lo) - (s_hi - s_lo) + sc
+                ctx_cells += hi - lo
+                M = max(M, sc)
+            ctx_blocks.append(per_group)
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
         cap = reqs.cap[gen_rows]
@@ -309,10 +319,7 @@ class KVCacheManager:
         lo, hi = lay.groups[0].new_blocks(cap, cap + k)
         opened = np.flatnonzero(hi > lo)
         new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-        need = [len(new_rows)] * lay.num_groups
-        for per_group in ctx_blocks:
-            for g, (b_lo, b_hi, s_lo, s_hi) in zip(lay.groups, per_group):
-                need[g.index] += (b_hi - b_lo) - (s_hi - s_lo) + g.scratch_slots_needed(s_hi - s_lo)
+        need = [len(new_rows) + n for n in ctx_slots]
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
             if need[p] > pool.num_available and need[p] > ledger.available(p):
@@ -325,12 +332,9 @@ class KVCacheManager:
                 and len(ledger.in_flight) - ledger.completed_count() >= self.max_steps_in_flight):
             raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
-        M = max([g.scratch_slots_needed(s_hi - s_lo)
-                 for per in ctx_blocks for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
-        cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + sum(
-            b_hi - b_lo for per in ctx_blocks for (b_lo, b_hi, _, _) in per)
+        cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
-        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_blocks, gen_ids, gen, cap,
+        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_blocks, ctx_slots, gen_ids, gen, cap,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
 
     def _scratch_range(self, g, row: int, start: int, capacity: int) -> Tuple[int, int]:
@@ -381,30 +385,46 @@ class KVCacheManager:
 
     def _commit_contexts(self, plan: _Plan, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Own slots and scratch slots of the step's context chunks; returns the scratch metadata."""
-        lay, C = self.layout, len(plan.ctx_rows)
+        lay, table, C = self.layout, self.page_table, len(plan.ctx_rows)
         if C == 0:
             return self._no_scratch
+        if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
+            for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
+                self.cache.add_boundary(row, int(self.requests.cap[row]) + n)
         begs = np.zeros((lay.num_groups, C), np.int32)
         ends = np.zeros((lay.num_groups, C), np.int32)
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
-        for c, (rid, row, per_group) in enumerate(zip(plan.ctx_ids, plan.ctx_rows, plan.ctx_blocks)):
-            if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
-                self.cache.add_boundary(row, int(self.requests.cap[row]) + plan.ctx_tokens[c])
-            held = []
-            for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
-                pool = self.pools[g.index]
-                own = np.arange(lo, hi)
-                if s_lo < s_hi:
-                    own = own[(own < s_lo) | (own >= s_hi)]
-                self.page_table.write(self.page_table.cells(g.index, row, own), pool.allocate(len(own)))
-                s = pool.allocate(g.scratch_slots_needed(s_hi - s_lo))
-                if len(s):
-                    begs[g.index, c], ends[g.index, c] = s_lo, s_hi
-                    scratch[g.index, c, :len(s)] = s
-                    self._scratch_held[g.index] += len(s)
-                held.append(s)
-            if any(len(h) for h in held):
-                self.requests.get(rid).scratch[step_id] = held
+        held = [[None] * lay.num_groups for _ in range(C)]      # per chunk, per group: its scratch slots
+        for g in lay.groups:
+            p = g.index
+            # One allocation per group, in the order of one per chunk (its own blocks', then its scratch
+            # slots), so the slots are those chunk-by-chunk allocation would give. The chunks' own blocks
+            # are runs of cells (the scratch range lies inside [lo, hi) and splits it), written at once.
+            slots = self.pools[p].allocate(plan.ctx_slots[p])
+            starts, lens, offs, o = [], [], [], 0
+            for c, (row, per_group) in enumerate(zip(plan.ctx_rows, plan.ctx_blocks)):
+                lo, hi, s_lo, s_hi, sc = per_group[p]
+                base = table.row_start(p, row)
+                for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
+                    if b > a:
+                        starts.append(base + a)
+                        lens.append(b - a)
+                        offs.append(o)
+                        o += b - a
+                held[c][p] = s = slots[o:o + sc]
+                o += sc
+                if sc:
+                    begs[p, c], ends[p, c] = s_lo, s_hi
+                    scratch[p, c, :sc] = s
+                    self._scratch_held[p] += sc
+            if lens:
+                lens = np.array(lens, np.int64)
+                within = np.arange(int(lens.sum())) - (lens.cumsum() - lens).repeat(lens)
+                table.write(np.array(starts, np.int64).repeat(lens) + within,
+                            slots[np.array(offs, np.int64).repeat(lens) + within])
+        for rid, per_group in zip(plan.ctx_ids, held):
+            if any(len(h) for h in per_group):
+                self.requests.get(rid).scratch[step_id] = per_group
         return begs, ends, scratch
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
@@ -461,8 +481,11 @@ class KVCacheManager:
             for g in self.layout.groups:
                 lo, hi = g.rewind_blocks(cap, int(rejected[i]))
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
-        for i in live:
-            self._release_scratch(reqs.get(step.request_ids[i]).scratch.pop(step.id, ()), tag)
+        # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
+        per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
+        per_chunk = [held for held in per_chunk if len(held)]
+        if per_chunk:
+            self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
         if self.cache is not None:
             index = np.arange(step.num_seqs) if entries is None else entries
             self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)

@@ -31,9 +31,13 @@ class PageTable:
         """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
         return np.add(rows * self.max_blocks, blocks + self._base[p], dtype=np.int64)
 
+    def row_start(self, p: int, row: int) -> int:
+        """Flat index of table[p, row, 0] (a Python int)."""
+        return self._base[p] + row * self.max_blocks
+
     def row_cells(self, p: int, row: int) -> np.ndarray:
         """Flat indices of the held (non-BAD) cells of one row of group p."""
-        start = self._base[p] + row * self.max_blocks
+        start = self.row_start(p, row)
         return np.flatnonzero(self.flat[start:start + self.max_blocks] != BAD) + start
 
     def write(self, cells: np.ndarray, values) -> None:

@@ -61,7 +61,8 @@ if "--lines" in sys.argv:
     import cupykv.staging as sg
     lp = LP = LineProfiler()
     for f in (m.KVCacheManager._plan, m.KVCacheManager._commit, m.KVCacheManager._commit_contexts,
-              m.KVCacheManager.settle, pl.StepPipeline._enqueue, sg.pack_snapshot):
+              m.KVCacheManager.settle, m.KVCacheManager._release_stale, pl.StepPipeline._enqueue, sg.pack_snapshot,
+              m.RequestTable.generation_batch, m.RequestTable._check_no_duplicates, m.KVCacheManager._release):
         lp.add_function(f)
     for _ in range(40):
         step()
