@@ -39,11 +39,14 @@ STAGING_MODES = ("snapshot", "unsafe")
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     """(row, block) pairs of the non-empty block ranges [lo, hi) of each row (hi > lo), rows in order."""
-    count = hi - lo
-    if count.max(initial=0) == 1:                     # the decode case: one block per row
+    if len(rows) == 0:
         return rows, lo
-    first = np.repeat(np.cumsum(count) - count, count)
-    return np.repeat(rows, count), np.repeat(lo, count) + (np.arange(int(count.sum())) - first)
+    count = hi - lo
+    if count.max() == 1:                     # the decode case: one block per row
+        return rows, lo
+    # (methods rather than np.* functions: at these sizes the dispatch costs more than the work)
+    ends = count.cumsum()
+    return rows.repeat(count), lo.repeat(count) + (np.arange(int(ends[-1])) - (ends - count).repeat(count))
 
 
 @dataclass
@@ -307,8 +310,9 @@ class KVCacheManager:
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
         cap = reqs.cap[gen_rows]
-        if len(cap) and cap.max() > spec.max_seq_len - k:
-            i = int(np.argmax(cap > spec.max_seq_len - k))
+        end = cap + k
+        if len(end) and end.max() > spec.max_seq_len:
+            i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
                                         f"max_seq_len={spec.max_seq_len}")
         total_tokens = sum(ctx_tokens) + k * len(gen_rows)
@@ -316,8 +320,8 @@ class KVCacheManager:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
         # The blocks the generation tokens open: the same in every group (generation is never scratch).
-        lo, hi = lay.groups[0].new_blocks(cap, cap + k)
-        opened = np.flatnonzero(hi > lo)
+        lo, hi = lay.groups[0].new_blocks(cap, end)
+        opened = (hi > lo).nonzero()[0]
         new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
         need = [len(new_rows) + n for n in ctx_slots]
         for p, pool in enumerate(self.pools):
@@ -362,7 +366,7 @@ class KVCacheManager:
             starts = reqs.cap[rows]
         reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
-        step = Step(step_id, plan.ctx_ids + plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
+        step = Step(step_id, plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
                     layout=self.layout, owner=self, pad_to=plan.pad_to, moves=reqs.moves)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
@@ -500,7 +504,7 @@ class KVCacheManager:
         for g in self._windowed:
             end = g.stale_end(hist)
             done = self.requests.stale_done[g.index, rows]
-            moved = np.flatnonzero(end > done)
+            moved = (end > done).nonzero()[0]
             if len(moved):
                 r, hi = rows[moved], end[moved]
                 pair_rows, blocks = _expand_ranges(r, done[moved], hi)
