@@ -35,6 +35,7 @@ from .step import Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
+_NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
@@ -49,14 +50,39 @@ def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     return rows.repeat(count), lo.repeat(count) + (np.arange(int(ends[-1])) - (ends - count).repeat(count))
 
 
+class _ChunkSlots:
+    """One group's slots for a step's context chunks, laid out as chunk-by-chunk allocation would take
+    them: each chunk's own blocks, then its scratch slots. The own blocks are runs of table cells (the
+    scratch range lies inside the chunk's blocks and splits them)."""
+
+    __slots__ = ("count", "starts", "lens", "offs", "scratch")
+
+    def __init__(self):
+        self.count = 0          # slots taken so far
+        self.starts: List[int] = []     # per run: flat table index of its first cell,
+        self.lens: List[int] = []       # its length,
+        self.offs: List[int] = []       # and the position of its first slot among the group's
+        self.scratch: list = []         # (chunk, scratch lo, scratch hi, position of its first slot, slots)
+
+    def add(self, chunk: int, row_start: int, lo: int, hi: int, s_lo: int, s_hi: int, scratch_slots: int) -> None:
+        for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
+            if b > a:
+                self.starts.append(row_start + a)
+                self.lens.append(b - a)
+                self.offs.append(self.count)
+                self.count += b - a
+        if scratch_slots:
+            self.scratch.append((chunk, s_lo, s_hi, self.count, scratch_slots))
+            self.count += scratch_slots
+
+
 @dataclass
 class _Plan:
     """What a validated step needs; made by _plan without changing any state."""
     ctx_ids: list
     ctx_rows: List[int]
     ctx_tokens: List[int]
-    ctx_blocks: list                   # per context, per group: (lo, hi, scratch_lo, scratch_hi, scratch slots)
-    ctx_slots: List[int]               # per group: the slots the context chunks take (own and scratch)
+    ctx_slots: List[_ChunkSlots]       # per group
     gen_ids: list
     gen: Optional[GenBatch]
     gen_cap: np.ndarray                # capacity of each generation entry before this step
@@ -282,8 +308,8 @@ class KVCacheManager:
             raise StepOrderError(f"step {latest.id} is not finished{where}: call step.finish(stream) "
                                  "(step.on(rank).finish(stream) per device) after its consumer's last read, "
                                  "before preparing the next step (the next step overwrites its tables)")
-        ctx_rows, ctx_tokens, ctx_blocks = [], [], []
-        ctx_slots, ctx_cells, M = [0] * lay.num_groups, 0, 0
+        ctx_rows, ctx_tokens = [], []
+        ctx_slots, ctx_cells, M = [_ChunkSlots() for _ in lay.groups], 0, 0
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
             if reqs.suspended[row]:
@@ -295,18 +321,15 @@ class KVCacheManager:
             if old + n > prompt:
                 raise InvalidRequestError(f"request {rid!r}: chunk of {n} tokens goes past its prompt "
                                           f"({old} of {prompt} already scheduled)")
-            ctx_rows.append(row)
-            ctx_tokens.append(n)
-            per_group = []
-            for g in lay.groups:
+            for g, chunks in zip(lay.groups, ctx_slots):
                 lo, hi = g.new_blocks(old, old + n)
                 s_lo, s_hi = self._scratch_range(g, row, old, old + n)
                 sc = g.scratch_slots_needed(s_hi - s_lo)
-                per_group.append((lo, hi, s_lo, s_hi, sc))
-                ctx_slots[g.index] += (hi - lo) - (s_hi - s_lo) + sc
+                chunks.add(len(ctx_rows), self.page_table.row_start(g.index, row), lo, hi, s_lo, s_hi, sc)
                 ctx_cells += hi - lo
                 M = max(M, sc)
-            ctx_blocks.append(per_group)
+            ctx_rows.append(row)
+            ctx_tokens.append(n)
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
         cap = reqs.cap[gen_rows]
@@ -323,7 +346,7 @@ class KVCacheManager:
         lo, hi = lay.groups[0].new_blocks(cap, end)
         opened = (hi > lo).nonzero()[0]
         new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-        need = [len(new_rows) + n for n in ctx_slots]
+        need = [len(new_rows) + chunks.count for chunks in ctx_slots]
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
             if need[p] > pool.num_available and need[p] > ledger.available(p):
@@ -338,7 +361,7 @@ class KVCacheManager:
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
-        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_blocks, ctx_slots, gen_ids, gen, cap,
+        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
 
     def _scratch_range(self, g, row: int, start: int, capacity: int) -> Tuple[int, int]:
@@ -398,37 +421,22 @@ class KVCacheManager:
         begs = np.zeros((lay.num_groups, C), np.int32)
         ends = np.zeros((lay.num_groups, C), np.int32)
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
-        held = [[None] * lay.num_groups for _ in range(C)]      # per chunk, per group: its scratch slots
-        for g in lay.groups:
-            p = g.index
-            # One allocation per group, in the order of one per chunk (its own blocks', then its scratch
-            # slots), so the slots are those chunk-by-chunk allocation would give. The chunks' own blocks
-            # are runs of cells (the scratch range lies inside [lo, hi) and splits it), written at once.
-            slots = self.pools[p].allocate(plan.ctx_slots[p])
-            starts, lens, offs, o = [], [], [], 0
-            for c, (row, per_group) in enumerate(zip(plan.ctx_rows, plan.ctx_blocks)):
-                lo, hi, s_lo, s_hi, sc = per_group[p]
-                base = table.row_start(p, row)
-                for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
-                    if b > a:
-                        starts.append(base + a)
-                        lens.append(b - a)
-                        offs.append(o)
-                        o += b - a
-                held[c][p] = s = slots[o:o + sc]
-                o += sc
-                if sc:
-                    begs[p, c], ends[p, c] = s_lo, s_hi
-                    scratch[p, c, :sc] = s
-                    self._scratch_held[p] += sc
-            if lens:
-                lens = np.array(lens, np.int64)
+        held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
+        for p, chunks in enumerate(plan.ctx_slots):
+            slots = self.pools[p].allocate(chunks.count)       # one allocation, in chunk-by-chunk order
+            if chunks.lens:
+                lens = np.array(chunks.lens, np.int64)
                 within = np.arange(int(lens.sum())) - (lens.cumsum() - lens).repeat(lens)
-                table.write(np.array(starts, np.int64).repeat(lens) + within,
-                            slots[np.array(offs, np.int64).repeat(lens) + within])
-        for rid, per_group in zip(plan.ctx_ids, held):
-            if any(len(h) for h in per_group):
-                self.requests.get(rid).scratch[step_id] = per_group
+                table.write(np.array(chunks.starts, np.int64).repeat(lens) + within,
+                            slots[np.array(chunks.offs, np.int64).repeat(lens) + within])
+            for c, s_lo, s_hi, o, n in chunks.scratch:
+                per_group = held.get(c) or held.setdefault(c, [_NO_SLOTS] * lay.num_groups)
+                per_group[p] = slots[o:o + n]
+                begs[p, c], ends[p, c] = s_lo, s_hi
+                scratch[p, c, :n] = per_group[p]
+                self._scratch_held[p] += n
+        for c, per_group in held.items():
+            self.requests.get(plan.ctx_ids[c]).scratch[step_id] = per_group
         return begs, ends, scratch
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
