@@ -156,6 +156,7 @@ class KVCacheManager:
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self.residence = Residence(self)
         self._scratch_held = [0] * P
+        self._no_chunks = [_ChunkSlots() for _ in range(P)]     # a step without contexts (never added to)
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
                             frozen(np.zeros((P, 0, 0), np.int32)))
@@ -250,7 +251,7 @@ class KVCacheManager:
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
         for p in range(self.layout.num_groups):
-            self._release(p, self.page_table.row_cells(p, req.row), tag)
+            self.pools[p].release(self.page_table.take_row(p, req.row)[1], tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
@@ -309,7 +310,8 @@ class KVCacheManager:
                                  "(step.on(rank).finish(stream) per device) after its consumer's last read, "
                                  "before preparing the next step (the next step overwrites its tables)")
         ctx_rows, ctx_tokens = [], []
-        ctx_slots, ctx_cells, M = [_ChunkSlots() for _ in lay.groups], 0, 0
+        ctx_slots = [_ChunkSlots() for _ in lay.groups] if ctx_items else self._no_chunks
+        ctx_cells = M = 0
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
             if reqs.suspended[row]:
@@ -511,7 +513,8 @@ class KVCacheManager:
         step release anything; stale_done starts at the sink blocks."""
         for g in self._windowed:
             end = g.stale_end(hist)
-            done = self.requests.stale_done[g.index, rows]
+            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: 3x cheaper)
+            done = stale_done[rows]
             moved = (end > done).nonzero()[0]
             if len(moved):
                 r, hi = rows[moved], end[moved]
@@ -528,7 +531,7 @@ class KVCacheManager:
                     self._release(g.index, cells, tag)
                     drop = np.array(drop, np.int32)
                     self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
-                self.requests.stale_done[g.index, r] = hi
+                stale_done[r] = hi
 
     # -- slots -------------------------------------------------------------------------------------
     def _release(self, p: int, cells: np.ndarray, tag: int) -> None:

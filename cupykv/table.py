@@ -38,7 +38,19 @@ class PageTable:
     def row_cells(self, p: int, row: int) -> np.ndarray:
         """Flat indices of the held (non-BAD) cells of one row of group p."""
         start = self.row_start(p, row)
-        return np.flatnonzero(self.flat[start:start + self.max_blocks] != BAD) + start
+        return (self.flat[start:start + self.max_blocks] != BAD).nonzero()[0] + start
+
+    def take_row(self, p: int, row: int):
+        """take(row_cells(p, row)) in one pass over the row: clear it; returns (the cells that held a slot,
+        their slots)."""
+        start = self.row_start(p, row)
+        seg = self.flat[start:start + self.max_blocks]
+        held = (seg != BAD).nonzero()[0]
+        vals = seg[held]
+        cells = held + start
+        if len(cells):
+            self.write(cells, BAD)
+        return cells, vals
 
     def write(self, cells: np.ndarray, values) -> None:
         """Write cells by flat index and log them for the next step's snapshot."""

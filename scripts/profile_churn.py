@@ -51,9 +51,10 @@ if "--lines" in sys.argv:
     import cupykv.ledger as ld
     import cupykv.pipeline as pl
     import cupykv.requests as rq
+    import cupykv.staging as sg
     for f in (m.KVCacheManager.prepare_batch, m.KVCacheManager._plan, m.KVCacheManager._commit,
               pl.StepPipeline.launch, pl.StepPipeline._enqueue, ld.StepLedger.poll,
-              rq.RequestTable.generation_batch, al.SlotPool.reclaim):
+              rq.RequestTable.generation_batch, al.SlotPool.reclaim, sg.pack_snapshot, sg.runs_from_cells):
         lp.add_function(f)
     for i in range(10, 50): step(i)
     lp.print_stats(output_unit=1e-6, stripzeros=True)
