@@ -312,6 +312,7 @@ class KVCacheManager:
         ctx_rows, ctx_tokens = [], []
         ctx_slots = [_ChunkSlots() for _ in lay.groups] if ctx_items else self._no_chunks
         ctx_cells = M = 0
+        row_start = self.page_table.row_start
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
             if reqs.suspended[row]:
@@ -325,9 +326,11 @@ class KVCacheManager:
                                           f"({old} of {prompt} already scheduled)")
             for g, chunks in zip(lay.groups, ctx_slots):
                 lo, hi = g.new_blocks(old, old + n)
-                s_lo, s_hi = self._scratch_range(g, row, old, old + n)
+                # with prefix caching, retained windows are kept out of the scratch range
+                s_lo, s_hi = (g.scratch_range(old, old + n) if self.cache is None
+                              else self.cache.scratch_range(g, row, old, old + n))
                 sc = g.scratch_slots_needed(s_hi - s_lo)
-                chunks.add(len(ctx_rows), self.page_table.row_start(g.index, row), lo, hi, s_lo, s_hi, sc)
+                chunks.add(len(ctx_rows), row_start(g.index, row), lo, hi, s_lo, s_hi, sc)
                 ctx_cells += hi - lo
                 M = max(M, sc)
             ctx_rows.append(row)
@@ -365,12 +368,6 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
         return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
-
-    def _scratch_range(self, g, row: int, start: int, capacity: int) -> Tuple[int, int]:
-        """The scratch range of a chunk; with prefix caching, retained windows are kept out of it."""
-        if self.cache is None:
-            return g.scratch_range(start, capacity)
-        return self.cache.scratch_range(g, row, start, capacity)
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
