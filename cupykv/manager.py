@@ -384,7 +384,8 @@ class KVCacheManager:
             gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))
             rows32, incarnations = rows.astype(np.int32), reqs.incarnation[rows]
-            tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), np.full(len(gen_rows), k, np.int64)))
+            gen_tokens = gen.tokens_for(k) if gen is not None else gen_rows
+            tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), gen_tokens))
             starts = reqs.cap[rows]
         reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
