@@ -55,16 +55,18 @@ class _ChunkSlots:
     them: each chunk's own blocks, then its scratch slots. The own blocks are runs of table cells (the
     scratch range lies inside the chunk's blocks and splits them)."""
 
-    __slots__ = ("count", "starts", "lens", "offs", "scratch")
+    __slots__ = ("count", "sizes", "starts", "lens", "offs", "scratch")
 
     def __init__(self):
         self.count = 0          # slots taken so far
+        self.sizes: List[int] = []      # per chunk: its slots
         self.starts: List[int] = []     # per run: flat table index of its first cell,
         self.lens: List[int] = []       # its length,
         self.offs: List[int] = []       # and the position of its first slot among the group's
         self.scratch: list = []         # (chunk, scratch lo, scratch hi, position of its first slot, slots)
 
     def add(self, chunk: int, row_start: int, lo: int, hi: int, s_lo: int, s_hi: int, scratch_slots: int) -> None:
+        first = self.count
         for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
             if b > a:
                 self.starts.append(row_start + a)
@@ -74,6 +76,7 @@ class _ChunkSlots:
         if scratch_slots:
             self.scratch.append((chunk, s_lo, s_hi, self.count, scratch_slots))
             self.count += scratch_slots
+        self.sizes.append(self.count - first)
 
 
 @dataclass
@@ -422,22 +425,35 @@ class KVCacheManager:
         ends = np.zeros((lay.num_groups, C), np.int32)
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
         held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
-        for p, chunks in enumerate(plan.ctx_slots):
-            slots = self.pools[p].allocate(chunks.count)       # one allocation, in chunk-by-chunk order
+        for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
             if chunks.lens:
+                # each run's cells count up from its start, its slots from its offset
                 lens = np.array(chunks.lens, np.int64)
                 within = np.arange(int(lens.sum())) - (lens.cumsum() - lens).repeat(lens)
                 table.write(np.array(chunks.starts, np.int64).repeat(lens) + within,
                             slots[np.array(chunks.offs, np.int64).repeat(lens) + within])
             for c, s_lo, s_hi, o, n in chunks.scratch:
-                per_group = held.get(c) or held.setdefault(c, [_NO_SLOTS] * lay.num_groups)
-                per_group[p] = slots[o:o + n]
+                if c not in held:
+                    held[c] = [_NO_SLOTS] * lay.num_groups
+                held[c][p] = slots[o:o + n]
                 begs[p, c], ends[p, c] = s_lo, s_hi
-                scratch[p, c, :n] = per_group[p]
+                scratch[p, c, :n] = held[c][p]
                 self._scratch_held[p] += n
         for c, per_group in held.items():
             self.requests.get(plan.ctx_ids[c]).scratch[step_id] = per_group
         return begs, ends, scratch
+
+    def _allocate_chunks(self, per_group: List[_ChunkSlots]) -> List[np.ndarray]:
+        """Each group's slots for the chunks, as allocating them chunk by chunk (each chunk group by group)
+        gives: one allocation per group unless some group would evict cached blocks, whose evictions are
+        reported (cache events, copies out) in that order."""
+        if all(chunks.count <= pool.num_free for chunks, pool in zip(per_group, self.pools)):
+            return [pool.allocate(chunks.count) for chunks, pool in zip(per_group, self.pools)]
+        parts = [[] for _ in per_group]
+        for c in range(len(per_group[0].sizes)):
+            for p, chunks in enumerate(per_group):
+                parts[p].append(self.pools[p].allocate(chunks.sizes[c]))
+        return [np.concatenate(slots) for slots in parts]
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block): one table write for all groups."""
