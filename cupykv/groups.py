@@ -41,7 +41,7 @@ class LayerGroup:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @cached_property
     def scale(self) -> int:
         """Pages per slot: K and V of every layer of the group."""
         return 2 * len(self.layers)
@@ -78,10 +78,11 @@ class LayerGroup:
         are stale by the time the chunk settles, even if max_rewind tokens are rejected. `start` is the
         sequence length before the chunk. (0, 0) when scratch reuse is off or nothing qualifies.
         """
-        if not self.scratch_reuse:
+        if not self.scratch_reuse or self.keeps_every_block:     # (nothing is ever stale)
             return (0, 0)
         lo, hi = self.stale_range(capacity - self.max_rewind)
-        lo, hi = max(lo, cdiv(start, self.tokens_per_block)), min(hi, cdiv(capacity, self.tokens_per_block))
+        first, end = self.new_blocks(start, capacity)
+        lo, hi = max(lo, first), min(hi, end)
         return (lo, hi) if lo < hi else (0, 0)
 
     def scratch_slots_needed(self, num_scratch_blocks: int) -> int:

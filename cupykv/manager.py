@@ -35,15 +35,48 @@ from .step import Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
+_NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     """(row, block) pairs of the non-empty block ranges [lo, hi) of each row (hi > lo), rows in order."""
-    count = hi - lo
-    if count.max(initial=0) == 1:                     # the decode case: one block per row
+    if len(rows) == 0:
         return rows, lo
-    first = np.repeat(np.cumsum(count) - count, count)
-    return np.repeat(rows, count), np.repeat(lo, count) + (np.arange(int(count.sum())) - first)
+    count = hi - lo
+    if count.max() == 1:                     # the decode case: one block per row
+        return rows, lo
+    # (methods rather than np.* functions: at these sizes the dispatch costs more than the work)
+    ends = count.cumsum()
+    return rows.repeat(count), lo.repeat(count) + (np.arange(int(ends[-1])) - (ends - count).repeat(count))
+
+
+class _ChunkSlots:
+    """One group's slots for a step's context chunks, laid out as chunk-by-chunk allocation would take
+    them: each chunk's own blocks, then its scratch slots. The own blocks are runs of table cells (the
+    scratch range lies inside the chunk's blocks and splits them)."""
+
+    __slots__ = ("count", "sizes", "starts", "lens", "offs", "scratch")
+
+    def __init__(self):
+        self.count = 0          # slots taken so far
+        self.sizes: List[int] = []      # per chunk: its slots
+        self.starts: List[int] = []     # per run: flat table index of its first cell,
+        self.lens: List[int] = []       # its length,
+        self.offs: List[int] = []       # and the position of its first slot among the group's
+        self.scratch: list = []         # (chunk, scratch lo, scratch hi, position of its first slot, slots)
+
+    def add(self, chunk: int, row_start: int, lo: int, hi: int, s_lo: int, s_hi: int, scratch_slots: int) -> None:
+        first = self.count
+        for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
+            if b > a:
+                self.starts.append(row_start + a)
+                self.lens.append(b - a)
+                self.offs.append(self.count)
+                self.count += b - a
+        if scratch_slots:
+            self.scratch.append((chunk, s_lo, s_hi, self.count, scratch_slots))
+            self.count += scratch_slots
+        self.sizes.append(self.count - first)
 
 
 @dataclass
@@ -52,7 +85,7 @@ class _Plan:
     ctx_ids: list
     ctx_rows: List[int]
     ctx_tokens: List[int]
-    ctx_blocks: list                   # per context, per group: (lo, hi, scratch_lo, scratch_hi)
+    ctx_slots: List[_ChunkSlots]       # per group
     gen_ids: list
     gen: Optional[GenBatch]
     gen_cap: np.ndarray                # capacity of each generation entry before this step
@@ -126,6 +159,7 @@ class KVCacheManager:
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self.residence = Residence(self)
         self._scratch_held = [0] * P
+        self._no_chunks = [_ChunkSlots() for _ in range(P)]     # a step without contexts (never added to)
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
                             frozen(np.zeros((P, 0, 0), np.int32)))
@@ -220,7 +254,7 @@ class KVCacheManager:
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
         for p in range(self.layout.num_groups):
-            self._release(p, self.page_table.row_cells(p, req.row), tag)
+            self.pools[p].release(self.page_table.take_row(p, req.row)[1], tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
@@ -278,7 +312,10 @@ class KVCacheManager:
             raise StepOrderError(f"step {latest.id} is not finished{where}: call step.finish(stream) "
                                  "(step.on(rank).finish(stream) per device) after its consumer's last read, "
                                  "before preparing the next step (the next step overwrites its tables)")
-        ctx_rows, ctx_tokens, ctx_blocks = [], [], []
+        ctx_rows, ctx_tokens = [], []
+        ctx_slots = [_ChunkSlots() for _ in lay.groups] if ctx_items else self._no_chunks
+        ctx_cells = M = 0
+        row_start = self.page_table.row_start
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
             if reqs.suspended[row]:
@@ -290,15 +327,23 @@ class KVCacheManager:
             if old + n > prompt:
                 raise InvalidRequestError(f"request {rid!r}: chunk of {n} tokens goes past its prompt "
                                           f"({old} of {prompt} already scheduled)")
+            for g, chunks in zip(lay.groups, ctx_slots):
+                lo, hi = g.new_blocks(old, old + n)
+                # with prefix caching, retained windows are kept out of the scratch range
+                s_lo, s_hi = (g.scratch_range(old, old + n) if self.cache is None
+                              else self.cache.scratch_range(g, row, old, old + n))
+                sc = g.scratch_slots_needed(s_hi - s_lo)
+                chunks.add(len(ctx_rows), row_start(g.index, row), lo, hi, s_lo, s_hi, sc)
+                ctx_cells += hi - lo
+                M = max(M, sc)
             ctx_rows.append(row)
             ctx_tokens.append(n)
-            ctx_blocks.append([g.new_blocks(old, old + n) + self._scratch_range(g, row, old, old + n)
-                               for g in lay.groups])
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
         cap = reqs.cap[gen_rows]
-        if len(cap) and cap.max() > spec.max_seq_len - k:
-            i = int(np.argmax(cap > spec.max_seq_len - k))
+        end = cap + k
+        if len(end) and end.max() > spec.max_seq_len:
+            i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
                                         f"max_seq_len={spec.max_seq_len}")
         total_tokens = sum(ctx_tokens) + k * len(gen_rows)
@@ -306,13 +351,10 @@ class KVCacheManager:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
         # The blocks the generation tokens open: the same in every group (generation is never scratch).
-        lo, hi = lay.groups[0].new_blocks(cap, cap + k)
-        opened = np.flatnonzero(hi > lo)
+        lo, hi = lay.groups[0].new_blocks(cap, end)
+        opened = (hi > lo).nonzero()[0]
         new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-        need = [len(new_rows)] * lay.num_groups
-        for per_group in ctx_blocks:
-            for g, (b_lo, b_hi, s_lo, s_hi) in zip(lay.groups, per_group):
-                need[g.index] += (b_hi - b_lo) - (s_hi - s_lo) + g.scratch_slots_needed(s_hi - s_lo)
+        need = [len(new_rows) + chunks.count for chunks in ctx_slots]
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
             if need[p] > pool.num_available and need[p] > ledger.available(p):
@@ -325,19 +367,10 @@ class KVCacheManager:
                 and len(ledger.in_flight) - ledger.completed_count() >= self.max_steps_in_flight):
             raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
-        M = max([g.scratch_slots_needed(s_hi - s_lo)
-                 for per in ctx_blocks for g, (_, _, s_lo, s_hi) in zip(lay.groups, per)] or [0])
-        cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + sum(
-            b_hi - b_lo for per in ctx_blocks for (b_lo, b_hi, _, _) in per)
+        cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
-        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_blocks, gen_ids, gen, cap,
+        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
-
-    def _scratch_range(self, g, row: int, start: int, capacity: int) -> Tuple[int, int]:
-        """The scratch range of a chunk; with prefix caching, retained windows are kept out of it."""
-        if self.cache is None:
-            return g.scratch_range(start, capacity)
-        return self.cache.scratch_range(g, row, start, capacity)
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -354,11 +387,12 @@ class KVCacheManager:
             gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))
             rows32, incarnations = rows.astype(np.int32), reqs.incarnation[rows]
-            tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), np.full(len(gen_rows), k, np.int64)))
+            gen_tokens = gen.tokens_for(k) if gen is not None else gen_rows
+            tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), gen_tokens))
             starts = reqs.cap[rows]
         reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
-        step = Step(step_id, plan.ctx_ids + plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
+        step = Step(step_id, plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
                     layout=self.layout, owner=self, pad_to=plan.pad_to, moves=reqs.moves)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
@@ -381,29 +415,45 @@ class KVCacheManager:
 
     def _commit_contexts(self, plan: _Plan, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Own slots and scratch slots of the step's context chunks; returns the scratch metadata."""
-        lay, C = self.layout, len(plan.ctx_rows)
+        lay, table, C = self.layout, self.page_table, len(plan.ctx_rows)
         if C == 0:
             return self._no_scratch
+        if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
+            for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
+                self.cache.add_boundary(row, int(self.requests.cap[row]) + n)
         begs = np.zeros((lay.num_groups, C), np.int32)
         ends = np.zeros((lay.num_groups, C), np.int32)
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
-        for c, (rid, row, per_group) in enumerate(zip(plan.ctx_ids, plan.ctx_rows, plan.ctx_blocks)):
-            if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
-                self.cache.add_boundary(row, int(self.requests.cap[row]) + plan.ctx_tokens[c])
-            held = []
-            for g, (lo, hi, s_lo, s_hi) in zip(lay.groups, per_group):
-                pool = self.pools[g.index]
-                own = np.array([b for b in range(lo, hi) if not s_lo <= b < s_hi], np.int64)
-                self.page_table.write(self.page_table.cells(g.index, row, own), pool.allocate(len(own)))
-                s = pool.allocate(g.scratch_slots_needed(s_hi - s_lo))
-                if len(s):
-                    begs[g.index, c], ends[g.index, c] = s_lo, s_hi
-                    scratch[g.index, c, :len(s)] = s
-                    self._scratch_held[g.index] += len(s)
-                held.append(s)
-            if any(len(h) for h in held):
-                self.requests.get(rid).scratch[step_id] = held
+        held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
+        for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
+            if chunks.lens:
+                # each run's cells count up from its start, its slots from its offset
+                lens = np.array(chunks.lens, np.int64)
+                within = np.arange(int(lens.sum())) - (lens.cumsum() - lens).repeat(lens)
+                table.write(np.array(chunks.starts, np.int64).repeat(lens) + within,
+                            slots[np.array(chunks.offs, np.int64).repeat(lens) + within])
+            for c, s_lo, s_hi, o, n in chunks.scratch:
+                if c not in held:
+                    held[c] = [_NO_SLOTS] * lay.num_groups
+                held[c][p] = slots[o:o + n]
+                begs[p, c], ends[p, c] = s_lo, s_hi
+                scratch[p, c, :n] = held[c][p]
+                self._scratch_held[p] += n
+        for c, per_group in held.items():
+            self.requests.get(plan.ctx_ids[c]).scratch[step_id] = per_group
         return begs, ends, scratch
+
+    def _allocate_chunks(self, per_group: List[_ChunkSlots]) -> List[np.ndarray]:
+        """Each group's slots for the chunks, as allocating them chunk by chunk (each chunk group by group)
+        gives: one allocation per group unless some group would evict cached blocks, whose evictions are
+        reported (cache events, copies out) in that order."""
+        if all(chunks.count <= pool.num_free for chunks, pool in zip(per_group, self.pools)):
+            return [pool.allocate(chunks.count) for chunks, pool in zip(per_group, self.pools)]
+        parts = [[] for _ in per_group]
+        for c in range(len(per_group[0].sizes)):
+            for p, chunks in enumerate(per_group):
+                parts[p].append(self.pools[p].allocate(chunks.sizes[c]))
+        return [np.concatenate(slots) for slots in parts]
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block): one table write for all groups."""
@@ -459,8 +509,11 @@ class KVCacheManager:
             for g in self.layout.groups:
                 lo, hi = g.rewind_blocks(cap, int(rejected[i]))
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
-        for i in live:
-            self._release_scratch(reqs.get(step.request_ids[i]).scratch.pop(step.id, ()), tag)
+        # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
+        per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
+        per_chunk = [held for held in per_chunk if len(held)]
+        if per_chunk:
+            self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
         if self.cache is not None:
             index = np.arange(step.num_seqs) if entries is None else entries
             self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)
@@ -474,8 +527,9 @@ class KVCacheManager:
         step release anything; stale_done starts at the sink blocks."""
         for g in self._windowed:
             end = g.stale_end(hist)
-            done = self.requests.stale_done[g.index, rows]
-            moved = np.flatnonzero(end > done)
+            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: 3x cheaper)
+            done = stale_done[rows]
+            moved = (end > done).nonzero()[0]
             if len(moved):
                 r, hi = rows[moved], end[moved]
                 pair_rows, blocks = _expand_ranges(r, done[moved], hi)
@@ -491,7 +545,7 @@ class KVCacheManager:
                     self._release(g.index, cells, tag)
                     drop = np.array(drop, np.int32)
                     self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
-                self.requests.stale_done[g.index, r] = hi
+                stale_done[r] = hi
 
     # -- slots -------------------------------------------------------------------------------------
     def _release(self, p: int, cells: np.ndarray, tag: int) -> None:

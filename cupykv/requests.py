@@ -203,7 +203,8 @@ class RequestTable:
 
     def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:
         seen = np.bincount(rows, minlength=len(self.hist))
-        seen[ctx_rows] += 1
+        if ctx_rows:
+            seen[ctx_rows] += 1
         if seen.max() > 1:
             dup = next(r for r in gen_ids if seen[self.row_of[r]] > 1)
             raise DuplicateRequestError(f"request {dup!r} appears twice in one step")

@@ -22,7 +22,6 @@ class Residence:
     def __init__(self, manager):
         self.layout, self.requests, self.table = manager.layout, manager.requests, manager.page_table
         self.pools, self.ledger = manager.pools, manager.ledger
-        self._release = manager._release
 
     def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
         """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
@@ -62,7 +61,7 @@ class Residence:
         self.check_detach(rid)
         tag = self.ledger.record_fence(copied)
         for p in range(self.layout.num_groups):
-            self._release(p, self.table.row_cells(p, req.row), tag)
+            self.pools[p].release(self.table.take_row(p, req.row)[1], tag)
         self.requests.set_suspended(req.row, True)
 
     def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:

@@ -90,14 +90,19 @@ def runs_from_cells(cells: np.ndarray):
     Any order and repeats are fine (the values of a repeated cell are equal); sorted input packs tightest."""
     n = len(cells)
     if n == 0:
-        return np.empty(0, np.int64), np.zeros(1, np.int64)
+        return _NO_RUNS
     # run r covers cells[voff[r]:voff[r + 1]]; a run breaks wherever consecutive cells are not adjacent.
     # The break mask is written in place: at decode sizes each numpy call costs more than the data.
     breaks = np.empty(n + 1, bool)
     breaks[0] = breaks[n] = True
     np.not_equal(cells[1:], cells[:-1] + 1, out=breaks[1:n])
-    voff = np.flatnonzero(breaks)
+    voff = breaks.nonzero()[0]
     return cells[voff[:-1]], voff
+
+
+_NO_RUNS = (np.empty(0, np.int64), np.zeros(1, np.int64))     # read-only use: packed, never written
+for _a in _NO_RUNS:
+    _a.flags.writeable = False
 
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
@@ -116,7 +121,6 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     run_start, run_voff = runs_from_cells(cells)
     sections = (copy_idx, begs.reshape(-1), ends.reshape(-1), scratch.reshape(-1), run_start, run_voff, values,
                 cu_tokens, start_pos)
-    sizes = [a.size for a in sections]
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
@@ -129,11 +133,12 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     header[H_PAD_TO] = pad_to
     header[H_EPOCH] = epoch & 0x7FFFFFFF
     pos = HEADER_WORDS
-    for off, n in zip(_SECTION_OFFSETS, sizes):
+    for off, a in zip(_SECTION_OFFSETS, sections):
         header[off] = pos
-        pos += n
-    # One concatenation and one store: cheaper than a store per section at decode sizes.
-    buf[:pos] = np.concatenate((np.array(header, np.int64), *sections))
+        pos += a.size
+    # One concatenation straight into the buffer: cheaper than a store per section at decode sizes.
+    buf[:HEADER_WORDS] = header
+    np.concatenate(sections, out=buf[HEADER_WORDS:pos])
     return pos
 
 

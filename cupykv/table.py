@@ -31,10 +31,26 @@ class PageTable:
         """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
         return np.add(rows * self.max_blocks, blocks + self._base[p], dtype=np.int64)
 
+    def row_start(self, p: int, row: int) -> int:
+        """Flat index of table[p, row, 0] (a Python int)."""
+        return self._base[p] + row * self.max_blocks
+
     def row_cells(self, p: int, row: int) -> np.ndarray:
         """Flat indices of the held (non-BAD) cells of one row of group p."""
-        start = self._base[p] + row * self.max_blocks
-        return np.flatnonzero(self.flat[start:start + self.max_blocks] != BAD) + start
+        start = self.row_start(p, row)
+        return (self.flat[start:start + self.max_blocks] != BAD).nonzero()[0] + start
+
+    def take_row(self, p: int, row: int):
+        """take(row_cells(p, row)) in one pass over the row: clear it; returns (the cells that held a slot,
+        their slots)."""
+        start = self.row_start(p, row)
+        seg = self.flat[start:start + self.max_blocks]
+        held = (seg != BAD).nonzero()[0]
+        vals = seg[held]
+        cells = held + start
+        if len(cells):
+            self.write(cells, BAD)
+        return cells, vals
 
     def write(self, cells: np.ndarray, values) -> None:
         """Write cells by flat index and log them for the next step's snapshot."""

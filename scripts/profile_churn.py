@@ -10,17 +10,19 @@ import time
 import numpy as np
 
 from profile_manager import _DoneEvent  # noqa: E402  (scripts/ is on sys.path when run from it)
+from cupykv.backends.host import HostBackend
 from cupykv.bench.harness import SHAPES, Settings, Workload
+# No-ops from the start: the setup's prefill steps would build 128k tables on the host for minutes, and the
+# manager's decisions never read device outputs.
+noop = lambda *a, **k: None
+for name in ("copy_h2d", "apply_deltas", "build_step", "wait"):
+    setattr(HostBackend, name, noop)
+HostBackend.record = lambda self, stream: _DoneEvent()
 shape = SHAPES["gpt-oss-120b"]
 st = Settings(shapes=[shape.name], seqs=[131072], batches=[256], contexts=[0], steps=60, warmup=5, torch=False, backend="host")
 wl = Workload(shape, 131072, 256, 0, st, np.random.default_rng(0))
 wl.setup_decode()
 mgr = wl.mgr
-be = mgr.backend
-noop = lambda *a, **k: None
-for name in ("copy_h2d", "apply_deltas", "build_step", "wait"):
-    setattr(be, name, noop)
-be.record = lambda stream: _DoneEvent()
 LP = None
 times = {"decode": [], "steady": [], "sched": [], "settle": []}
 def step(i, record=True):
@@ -49,9 +51,10 @@ if "--lines" in sys.argv:
     import cupykv.ledger as ld
     import cupykv.pipeline as pl
     import cupykv.requests as rq
+    import cupykv.staging as sg
     for f in (m.KVCacheManager.prepare_batch, m.KVCacheManager._plan, m.KVCacheManager._commit,
               pl.StepPipeline.launch, pl.StepPipeline._enqueue, ld.StepLedger.poll,
-              rq.RequestTable.generation_batch, al.SlotPool.reclaim):
+              rq.RequestTable.generation_batch, al.SlotPool.reclaim, sg.pack_snapshot, sg.runs_from_cells):
         lp.add_function(f)
     for i in range(10, 50): step(i)
     lp.print_stats(output_unit=1e-6, stripzeros=True)

@@ -1,6 +1,6 @@
 """The manager's own host cost per decode step: the host backend with its queued work replaced by no-ops.
 
-    python scripts/profile_manager.py [--lines]     (--lines needs line_profiler)
+    python scripts/profile_manager.py [--batch N] [--lines]     (--lines needs line_profiler; batch 256 by default)
 """
 import sys
 import time
@@ -22,9 +22,10 @@ class _DoneEvent:
 
 
 def prefilled_manager(batch: int = 256, backend: str = "host") -> cupykv.KVCacheManager:
-    """A GPT-OSS-120B-shaped manager (32k) with `batch` requests prefilled to 8k-30k tokens."""
+    """A GPT-OSS-120B-shaped manager (32k) with `batch` requests prefilled to 8k-30k tokens (the window
+    group has room for one whole prompt: its prefill holds every block until it settles)."""
     spec = cupykv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
-                            max_seq_len=32768, max_batch=batch, slots_per_group=[batch * 8, batch * 1100],
+                            max_seq_len=32768, max_batch=batch, slots_per_group=[max(batch * 8, 1024), batch * 1100],
                             max_step_tokens=1 << 22)
     mgr = cupykv.KVCacheManager(spec, backend=backend)
     rng = np.random.default_rng(0)
@@ -49,7 +50,8 @@ def make_manager(batch=256):
 
 
 def main():
-    mgr = make_manager()
+    batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
+    mgr = make_manager(batch)
     rids = list(range(mgr.spec.max_batch))
     tp, ts = [], []
     for _ in range(500):
