@@ -101,6 +101,7 @@ class StepPipeline:
         self.force_full = False      # a launch failed part-way: the outputs may hold anything
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
+        self._cu_of, self._cu = None, None      # _cu_tokens' last token array and its result
 
     # Device 0's buffers (the only ones of a one-device manager).
     consts = property(lambda self: self.mirrors[0].consts)
@@ -124,13 +125,21 @@ class StepPipeline:
             for event in after:
                 m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
-        cu_tokens = np.zeros(step.num_seqs + 1, np.int64)
-        np.cumsum(step.num_tokens, out=cu_tokens[1:])
-        self._enqueue(step, slot, cells, values, cu_tokens, allow_delta)
+        self._enqueue(step, slot, cells, values, self._cu_tokens(step.num_tokens), allow_delta)
         self.force_full = False
         self._prev = step
         for m in self.mirrors:
             m.outputs.holder = step.id
+
+    def _cu_tokens(self, num_tokens: np.ndarray) -> np.ndarray:
+        """[0, cumsum(num_tokens)...]. Pure decode steps of one generation list share its read-only token
+        array, so the last result is kept for that array (this is its one owner and only check)."""
+        if num_tokens is not self._cu_of:
+            cu = np.empty(len(num_tokens) + 1, np.int64)
+            cu[0] = 0
+            num_tokens.cumsum(out=cu[1:])
+            self._cu_of, self._cu = num_tokens, cu
+        return self._cu
 
     def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
         step.mode = MODE_DELTA if allow_delta and self._steady(step) else MODE_FULL

@@ -197,7 +197,10 @@ class RingSlot:
         return len(self.host)
 
     def busy(self) -> bool:
-        return any(t.busy() for t in self.twins)
+        for twin in self.twins:      # a loop: it runs for every acquire, and a generator costs more
+            if twin.busy():
+                return True
+        return False
 
     def wait(self, timeout_s: float) -> bool:
         """Host wait for every twin's copy; False when one did not complete within timeout_s."""
