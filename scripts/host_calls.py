@@ -14,7 +14,7 @@ from collections import defaultdict
 import cupy
 import numpy as np
 
-from profile_manager import prefilled_manager
+from profile_manager import prefilled_manager, timed_decode_step
 from cupykv.backends import cuda as cuda_backend
 
 spent = defaultdict(float)
@@ -43,17 +43,11 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
             per = defaultdict(list)
             for i in range(steps):
                 spent.clear()
-                t0 = time.perf_counter()
-                s = mgr.prepare_batch((), rids)
-                t1 = time.perf_counter()
-                s.finish()
-                t2 = time.perf_counter()
-                mgr.settle(s)
-                t3 = time.perf_counter()
+                prepare, settle, s = timed_decode_step(mgr, rids)
                 s.ready.synchronize()
                 if i >= skip:
-                    per["prepare_batch (total)"].append(t1 - t0)
-                    per["settle"].append(t3 - t2)
+                    per["prepare_batch (total)"].append(prepare)
+                    per["settle"].append(settle)
                     for k, v in spent.items():
                         per[k].append(v)
             print(f"batch {batch}, graphs={graphs}: medians per step over {steps - skip} decode steps")

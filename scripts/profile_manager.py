@@ -49,21 +49,27 @@ def make_manager(batch=256):
     return mgr
 
 
+def timed_decode_step(mgr, rids):
+    """One decode step of `rids` (the previous step's batch): (prepare_batch seconds, settle seconds, step)."""
+    t0 = time.perf_counter()
+    s = mgr.prepare_batch((), rids)
+    t1 = time.perf_counter()
+    s.finish()
+    t2 = time.perf_counter()
+    mgr.settle(s)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, s
+
+
 def main():
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
     mgr = make_manager(batch)
     rids = list(range(mgr.spec.max_batch))
     tp, ts = [], []
     for _ in range(500):
-        t0 = time.perf_counter()
-        s = mgr.prepare_batch((), rids)
-        t1 = time.perf_counter()
-        s.finish()
-        t2 = time.perf_counter()
-        mgr.settle(s)
-        t3 = time.perf_counter()
-        tp.append(t1 - t0)
-        ts.append(t3 - t2)
+        prepare, settle, _ = timed_decode_step(mgr, rids)
+        tp.append(prepare)
+        ts.append(settle)
     print(f"batch {len(rids)} decode: prepare_batch median {np.median(tp) * 1e6:.0f} us, "
           f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
     if "--lines" in sys.argv:
