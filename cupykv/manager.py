@@ -107,8 +107,8 @@ class KVCacheManager:
         how long a host wait (a ring slot, a finish event) may take before it is an error.
     max_steps_in_flight: prepared steps whose finish event has not completed; more is an error.
     debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
-    use_graphs: run each step's device work (snapshot copy, delta apply, tables and write positions) as
-        one CUDA graph replay per ring slot, mode and bucket instead of separate launches.
+    use_graphs: run each step's device work (snapshot copy, delta apply, tables and write positions; one
+        kernel launch on CUDA) as a CUDA graph replay per ring slot, mode and bucket instead.
     steady_batch_delta: when a decode step has the previous step's batch, row for row, rewrite only the
         output cells whose table entry changed instead of the batch's whole rows.
     devices: the devices that need the tables (tensor parallelism: every rank reads the same tables),
