@@ -155,3 +155,61 @@ def test_padding_rows_read_bad(backend_name):
     with pytest.raises(cupykv.InvalidRequestError, match="pad_to"):
         mgr.prepare_batch((), [0, 1, 2], pad_to=2)
     assert mgr.state() == before
+
+
+def grown_slot_workload(mgr):
+    """Decode steps on small snapshots, then a prefill whose snapshot outgrows its ring slot, then decode
+    steps that come back to that slot; every step captured. Returns (the Capture, the grown slot)."""
+    cap = Capture(mgr, write_positions=True)
+
+    def step(contexts, generation):
+        s = mgr.prepare_batch(contexts, generation)
+        cap.consume(s)
+        mgr.settle(s)
+        mgr.synchronize()             # every slot free again: the ring reuses its slots instead of adding
+        cap.stream.synchronize()
+
+    mgr.add("small", 40)
+    step({"small": 40}, [])
+    for _ in range(len(mgr.ring.slots)):              # every ring slot carries a step (and has its plan)
+        step({}, ["small"])
+    slots = list(mgr.ring.slots)
+    capacities = [slot.capacity for slot in slots]
+    for r in range(31):
+        mgr.add(r, 2000)
+    step({r: 2000 for r in range(31)}, [])            # thousands of changed cells: too big for a slot
+    grown = [slot for slot, c in zip(slots, capacities) if slot.capacity > c]
+    for _ in range(2 * len(mgr.ring.slots)):          # the grown slot comes round again
+        step({}, ["small", *range(31)])
+    return cap, grown
+
+
+def test_a_grown_ring_slot_gets_a_new_step_plan(backend_name):
+    """A ring slot that grows gets new buffers, so each device's step plan for it is made again; the steps
+    after the growth still get the reference's tables and write positions. A plan kept past the growth
+    (fits() always true) sends the grown slot's steps to the old, smaller buffers, and the test sees it."""
+    mgr = make(backend_name)
+    cap, grown = grown_slot_workload(mgr)
+    assert grown, "no ring slot grew: the test does not reach the path it is about"
+    m = mgr.pipeline.mirrors[0]
+    for slot in grown:
+        plan = m.plan(slot.twins[0], mgr.pipeline.shared)
+        assert plan.dev is slot.twins[0].dev and plan.host is slot.host
+    assert cap.mismatches() == []
+
+
+def test_a_stale_step_plan_is_caught(backend_name, monkeypatch):
+    from cupykv.backends.plan import StepPlan
+    from cupykv.backends import cuda_available
+    plans = [StepPlan]
+    if backend_name == "cuda" and cuda_available():
+        from cupykv.backends.cuda import CudaStepPlan
+        plans.append(CudaStepPlan)
+    for cls in plans:
+        monkeypatch.setattr(cls, "fits", lambda self, twin: True)
+    mgr = make(backend_name)
+    try:
+        cap, grown = grown_slot_workload(mgr)
+    except (ValueError, IndexError):
+        return                    # the old buffers could not take the grown snapshot: caught
+    assert grown and cap.mismatches(), "a plan kept past its slot's growth went unnoticed"
