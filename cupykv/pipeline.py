@@ -60,11 +60,12 @@ class Mirror:
     def __init__(self, layout: Layout, backend, rank: int):
         spec = layout.spec
         self.rank, self.backend = rank, backend
+        self.shared = spec.table_mode == "shared"
         P, rows, B = layout.num_groups, spec.max_batch, layout.max_blocks
         self.consts = KernelConsts(layout, rows, backend)
         self.mirror = backend.device_full((P, rows, B), BAD, np.int32)
         self.row_entry = backend.device_full((rows, 2), -1, np.int32)
-        planes = P if spec.table_mode == "shared" else layout.num_layers
+        planes = P if self.shared else layout.num_layers
         self.outputs = out = StepOutputs(backend.device_full((planes, rows, 2, B), BAD, np.int32),
                                          backend.device_full((layout.num_layers, spec.step_token_capacity), BAD,
                                                              np.int32),
@@ -73,11 +74,11 @@ class Mirror:
         self.buffers = (self.mirror, out.tables, self.row_entry, out.write_pages, out.write_offsets, self.consts)
         self._plans: dict = {}       # id(ring-slot twin) -> its StepPlan (the plans' one owner)
 
-    def plan(self, twin, shared: bool):
+    def plan(self, twin):
         """The backend's StepPlan for a ring-slot twin of this device, made again when the slot has grown."""
         plan = self._plans.get(id(twin))
         if plan is None or not plan.fits(twin):
-            plan = self._plans[id(twin)] = self.backend.step_plan(twin, self.buffers, shared)
+            plan = self._plans[id(twin)] = self.backend.step_plan(twin, self.buffers, self.shared)
         return plan
 
 
@@ -153,7 +154,7 @@ class StepPipeline:
         for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-            view.ready = twin.copied = m.plan(twin, self.shared).run(m.backend.stream, step.mode, words, len(cells),
+            view.ready = twin.copied = m.plan(twin).run(m.backend.stream, step.mode, words, len(cells),
                                                                      entries, tokens, graph)
         self.h2d_bytes_last_step = (graph[0] if graph else words) * 4 * len(self.mirrors)
         if step.mode == MODE_FULL:
@@ -167,7 +168,7 @@ class StepPipeline:
             capture = getattr(m.backend, "capture_step_graphs", None)
             if capture is None or not self.use_graphs:
                 continue
-            captured += capture([m.plan(s.twins[m.rank], self.shared) for s in self.ring.slots],
+            captured += capture([m.plan(s.twins[m.rank]) for s in self.ring.slots],
                                 pow2_buckets(1, m.consts.max_batch),
                                 pow2_buckets(GRAPH_MIN_TOKENS, m.outputs.write_offsets.size))
         return captured

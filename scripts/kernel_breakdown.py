@@ -65,13 +65,12 @@ if segments:
             ev.record(st)
             marks.append((name if isinstance(name, str) else name(*a), ev))
         return call
-    # The step plan's raw calls: each kernel launch (named by its function), a copy, the graph replay.
+    # The step plan's raw calls: its kernel launch (named by its function) or its graph replay.
     kernel_names = {be._kernel(n).kernel.ptr: n[len("cupykv_"):]
                     for n in ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step")}
     cuda_backend.PackedLaunch.__call__ = timed(cuda_backend.PackedLaunch.__call__,
                                                lambda launch, *a: kernel_names[launch.function])
     rt = cuda_backend.runtime
-    rt.memcpyAsync = timed(rt.memcpyAsync, "copy")
     rt.graphLaunch = timed(rt.graphLaunch, "graph replay")
     be.wait = timed(be.wait, "wait")
 seg = {}

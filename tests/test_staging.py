@@ -193,7 +193,7 @@ def test_a_grown_ring_slot_gets_a_new_step_plan(backend_name):
     assert grown, "no ring slot grew: the test does not reach the path it is about"
     m = mgr.pipeline.mirrors[0]
     for slot in grown:
-        plan = m.plan(slot.twins[0], mgr.pipeline.shared)
+        plan = m.plan(slot.twins[0])
         assert plan.dev is slot.twins[0].dev and plan.host is slot.host
     assert cap.mismatches() == []
 

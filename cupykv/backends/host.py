@@ -235,15 +235,6 @@ class HostBackend:
         """The step launches for a ring-slot twin and a mirror's buffers (plan.StepPlan)."""
         return StepPlan(self, twin, buffers, shared)
 
-    def launch_step_graph(self, stream: SimStream, slot, mirror, out, row_entry, pages, offsets, consts,
-                          shared: bool, mode: int, seqs_bucket: int, tokens_bucket: int, copy_words: int) -> None:
-        """What the CUDA backend captures as a graph, enqueued op by op: the copy of the slot's first
-        copy_words words, then both kernels, each reading its counts from the snapshot header."""
-        self.copy_h2d(slot.dev, slot.host, copy_words, stream)
-        self.apply_deltas(stream, slot.dev, mirror, consts)
-        self.build_step(stream, slot.dev, mirror, out, row_entry, pages, offsets, consts, shared, mode)
-
-
 
 # -- the step kernel's parts, emulated (cupykv_build_step in kernels/step.cu) -------------------------------
 

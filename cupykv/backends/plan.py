@@ -5,7 +5,7 @@ write, fixed for as long as the twin keeps its buffers. run (every step): the co
 delta apply, the build of the tables and write positions (or the one graph replay that does all three),
 and the step's ready event.
 
-StepPlan composes a backend's primitives (copy_h2d, apply_deltas, build_step, launch_step_graph, record)
+StepPlan composes a backend's primitives (copy_h2d, apply_deltas, build_step, record)
 and is what the host backend runs; the CUDA backend's plan (cuda.CudaStepPlan) does the same work with
 its arguments packed once and raw CUDA calls.
 """
@@ -40,17 +40,17 @@ class StepPlan:
 
         words: snapshot words to copy; num_values: changed table cells (no apply launch when 0);
         num_entries / num_tokens: the batch's entries (padding included) and new tokens (they size the
-        grids; the kernels read the true counts from the snapshot). graph: replay the step graph of these
-        buckets instead (its copy is graph[0] words).
+        grids; the kernels read the true counts from the snapshot). graph: run the step as the graph of these
+        buckets does (copy graph[0] words, apply with a fixed grid, size the build for the buckets); the
+        CUDA plan replays that graph.
         """
         be, (mirror, out, row_entry, pages, offsets, consts) = self.backend, self.buffers
-        if graph is not None:
-            copy_words, seqs, tokens = graph
-            be.launch_step_graph(stream, self.twin, *self.buffers, self.shared, mode, seqs, tokens, copy_words)
-        else:
-            be.copy_h2d(self.dev, self.host, words, stream)
-            if num_values:      # a steady decode step often changes no cell: one launch fewer
-                be.apply_deltas(stream, self.dev, mirror, consts, num_values=num_values)
-            be.build_step(stream, self.dev, mirror, out, row_entry, pages, offsets, consts, self.shared, mode,
-                          num_entries=num_entries, num_values=num_values, num_tokens=num_tokens)
+        if graph is not None:       # what a captured graph holds: its bucket's copy, an apply whatever the count
+            words, num_values = graph[0], None
+            num_entries, num_tokens = graph[1], graph[2]
+        be.copy_h2d(self.dev, self.host, words, stream)
+        if num_values != 0:         # a steady decode step often changes no cell: one launch fewer
+            be.apply_deltas(stream, self.dev, mirror, consts, num_values=num_values)
+        be.build_step(stream, self.dev, mirror, out, row_entry, pages, offsets, consts, self.shared, mode,
+                      num_entries=num_entries, num_values=num_values, num_tokens=num_tokens)
         return be.record(stream)

@@ -165,9 +165,6 @@ class SkipKernelsBackend(HostBackend):
     def build_step(self, stream, *args, **kwargs) -> None:
         pass
 
-    def launch_step_graph(self, stream, *args, **kwargs) -> None:
-        pass
-
 
 
 
