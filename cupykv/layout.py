@@ -40,6 +40,10 @@ class Layout:
                 self.layer_group[layer] = g.index
                 self.layer_index[layer] = i
         self.layer_koff = (2 * self.layer_index).astype(np.int32)  # K page offset; V is K + 1
+        # The layers of each group, for kernels that walk a group's layers: [P + 1] starts into the layer
+        # list that follows, then the layer indices, group by group (each group's in layer order).
+        starts = np.cumsum([0] + [len(g.layers) for g in self.groups])
+        self.group_layers = np.concatenate([starts, *[g.layers for g in self.groups]]).astype(np.int32)
         self.group_scale = np.array([g.scale for g in self.groups], np.int32)
         self.slots_per_group = self._slots_per_group()
         if spec.null_slot and min(self.slots_per_group) < 2:

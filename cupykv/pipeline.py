@@ -42,6 +42,7 @@ class KernelConsts:
         self.d_layer_group = backend.upload(layout.layer_group)
         self.d_layer_koff = backend.upload(layout.layer_koff)
         self.d_group_scale = backend.upload(layout.group_scale)
+        self.d_group_layers = backend.upload(layout.group_layers)
         # Each group's null slot (CacheSpec.null_slot: BAD cells of the tables and padding rows hold its page),
         # BAD where the spec has none. The mirror and the write positions keep BAD either way.
         nulls = layout.null_slots if layout.null_slots is not None else (BAD,) * layout.num_groups

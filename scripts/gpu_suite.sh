@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab]
+# [profile] [profile-ab] [segments-ab] [dram-ab]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -65,6 +65,28 @@ for part in $parts; do
     bench-devices)   # one manager on 1 and 2 devices: host and device time per decode step
       run bench_devices timeout 300 python3 -m cupykv.bench devices --out /tmp/bench_devices
       cp /tmp/bench_devices/devices.md "$OUT/bench_devices.md" 2>/dev/null ;;
+    segments-ab)   # device time per step segment of this tree and of the trees in AB_TREES (untracked copies)
+      IFS=';' read -ra cfgs <<< "${AB_CFGS:-gpt-oss-120b 131072 256;gpt-oss-20b 32768 1;gpt-oss-120b 131072 256 --shared}"
+      for cfg in "${cfgs[@]}"; do   # AB_CFGS: configurations separated by ';'
+        for tree in . ${AB_TREES:-old_tree}; do
+          [ -d "$tree/cupykv" ] || continue
+          echo "== $tree: $cfg" >>"$OUT/segments_ab.log"
+          (cd "$tree" && PYTHONPATH=. timeout 100 python3 "$OLDPWD/scripts/kernel_breakdown.py" $cfg 16 --segments) \
+              >>"$OUT/segments_ab.log" 2>&1
+        done
+      done
+      cat "$OUT/segments_ab.log" ;;
+    dram-ab)   # DRAM bytes and time of cupykv_step under ncu, this tree and AB_TREES, GPT-OSS-120B 128k b256
+      for tree in . ${AB_TREES:-old_tree}; do
+        [ -d "$tree/cupykv" ] || continue
+        echo "== $tree" >>"$OUT/dram_ab.log"
+        (cd "$tree" && PYTHONPATH=. timeout 120 ncu --profile-from-start off --clock-control none -k regex:cupykv_step \
+            --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+            python3 "$OLDPWD/scripts/kernel_breakdown.py" gpt-oss-120b 131072 256 6) >/tmp/ncu_ab.csv 2>&1
+        grep -v '^"' /tmp/ncu_ab.csv | tail -n 2 >>"$OUT/dram_ab.log"
+        python3 scripts/kernel_breakdown.py --summarize /tmp/ncu_ab.csv >>"$OUT/dram_ab.log" 2>&1
+      done
+      cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
     profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice
       for i in 1 2; do

@@ -6,7 +6,9 @@
 
 Builds the benchmark's workload for one (shape, max_seq_len, batch), prefills it (not profiled), then
 profiles `steps` decode steps (churn and steady alternate, as in the benchmark). Without ncu it prints the
-median device time per step from CUDA events instead.
+median device time per step from CUDA events instead. --shared: a SHARED-table manager of the same
+workload; --graphs: use_graphs=True; --segments: the GPU time of each part of a step, from events between
+the backend calls (the stream held by a gate while the host enqueues).
 """
 import csv
 import sys
@@ -27,7 +29,8 @@ def summarize(path: str) -> None:
         except (KeyError, ValueError):
             continue
     for (kernel, metric, unit), v in sorted(vals.items()):
-        print(f"  {kernel:32s} {metric:55s} median {np.median(v):10.2f} {unit:8s} (n={len(v)})")
+        spread = f" min {min(v):.4g} max {max(v):.4g}" if len(v) > 1 else ""
+        print(f"  {kernel:32s} {metric:55s} median {np.median(v):10.2f} {unit:8s} (n={len(v)}{spread})")
 
 
 if sys.argv[1] == "--summarize":
@@ -42,11 +45,12 @@ shape, seq, batch = SHAPES[sys.argv[1]], int(sys.argv[2]), int(sys.argv[3])
 steps = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 12
 graphs = "--graphs" in sys.argv
 segments = "--segments" in sys.argv
+shared = "--shared" in sys.argv        # a SHARED-table manager instead of the PER_LAYER one
 settings = Settings(shapes=[shape.name], seqs=[seq], batches=[batch], contexts=[0], steps=steps, warmup=4,
                     torch=False, backend="cuda")
-wl = Workload(shape, seq, batch, 0, settings, np.random.default_rng(0))
+wl = Workload(shape, seq, batch, 0, settings, np.random.default_rng(0), shared=shared)
 wl.setup_decode()
-mgr = wl.mgr
+mgr = wl.shared if shared else wl.mgr
 mgr.use_graphs = graphs
 be = mgr.backend
 st = be.stream
@@ -96,7 +100,7 @@ for i in range(steps + 4):
     step.finish()
     mgr.settle(step)
 cupy.cuda.runtime.profilerStop()
-print(f"{shape.name} {seq} b{batch} graphs={graphs}: event time per step median "
+print(f"{shape.name} {seq} b{batch} {mgr.spec.table_mode} graphs={graphs}: event time per step median "
       f"{np.median(times):.1f} us over {len(times)} steps ({'gated' if segments else 'ungated'})")
 for (case, name), v in sorted(seg.items()):
     if segments:

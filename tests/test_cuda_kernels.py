@@ -74,7 +74,8 @@ def make_consts(layout: Layout, backend, null_slots=None) -> SimpleNamespace:
         layer_group=layout.layer_group, layer_koff=layout.layer_koff, group_scale=layout.group_scale,
         group_null=group_null,
         d_layer_group=backend.upload(layout.layer_group), d_layer_koff=backend.upload(layout.layer_koff),
-        d_group_scale=backend.upload(layout.group_scale), d_group_null=backend.upload(group_null))
+        d_group_scale=backend.upload(layout.group_scale), d_group_null=backend.upload(group_null),
+        d_group_layers=backend.upload(layout.group_layers))
 
 
 def random_table(rng, shape) -> np.ndarray:
@@ -342,6 +343,23 @@ def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hi
     """path "plan" is cupykv_step, the pipeline's one launch per step (eager, and captured into a graph with
     the "none" hints), against the same oracle."""
     check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null, path=path)
+
+
+@requires_gpu
+@pytest.mark.parametrize("table_blocks", [1, 2, 3, 7])
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("path", ["kernels", "plan"])
+def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, table_blocks, path):
+    """The FULL tables split each group's layers over as many threads per (group, entry, quad) as the grid
+    has to spare (none, when the items outnumber the grid's threads and it strides over them): grids of a
+    few blocks, which step_grid never picks for these shapes, give every split from 1 to the layer count
+    and partial last strides, against the same oracle."""
+    from cupykv.backends import cuda
+    sized = cuda.step_grid
+    monkeypatch.setattr(cuda, "step_grid", lambda *a: (table_blocks, sized(*a)[1]))
+    for scenario in ("full_mixed", "random"):
+        check_backend(cuda_backend, rng, spec_name, scenario, HINTS["exact"], null=bool(rng.integers(0, 2)),
+                      path=path)
 
 
 @requires_gpu

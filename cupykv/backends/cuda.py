@@ -28,6 +28,7 @@ from .plan import GraphBuckets, StepPlan
 APPLY_MAX_BLOCKS = 1024
 APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pass
 TABLE_MAX_BLOCKS = 4096
+TABLE_FILL_BLOCKS = 1024         # FULL tables: enough blocks to keep the device's memory busy (step_grid)
 DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
 POS_MAX_BLOCKS = 1024
 MEMO_ENTRIES = 256               # validated buffer sets kept by _memo (a few per ring slot in use)
@@ -231,16 +232,23 @@ def device_count() -> int:
     return int(runtime.getDeviceCount())
 
 
-def step_grid(planes: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
+def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
               num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
-    entries for max_batch, a fixed DELTA grid, tokens for the capacity."""
+    entries for max_batch, a fixed DELTA grid, tokens for the capacity.
+
+    FULL tables: a thread per (group, entry, quad of blocks) writes that quad into all of the group's
+    planes; where that gives fewer than TABLE_FILL_BLOCKS blocks, the grid grows towards a thread per plane
+    quad and the kernel splits each group's layers over the extra threads (it reads the split from the grid).
+    """
     if mode == MODE_DELTA:
         hint = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
         table = -(-hint // STEP_THREADS)
     else:
         entries = max_batch if num_entries is None else min(max(int(num_entries), 1), max_batch)
-        table = -(-(planes * entries * (max_blocks // 4)) // STEP_THREADS)
+        quads = entries * (max_blocks // 4)
+        threads = max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
+        table = -(-threads // STEP_THREADS)
     tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
     return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-tokens // STEP_THREADS), POS_MAX_BLOCKS)
 
@@ -322,11 +330,12 @@ class CudaStepPlan(StepPlan):
             self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
-        self._grid = (self.planes, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
+        self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
-                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null, self._sync)
+                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null,
+                               consts.d_group_layers, self._sync)
         self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
 
     def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
@@ -363,8 +372,8 @@ class CudaStepPlan(StepPlan):
         apply blocks."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
-        planes, max_blocks, max_batch, capacity = self._grid
-        table, pos = step_grid(planes, max_blocks, max_batch, capacity, mode, num_entries, num_values, num_tokens)
+        planes, groups, max_blocks, max_batch, capacity = self._grid
+        table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_values, num_tokens)
         copy = min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
         apply = 0 if num_values == 0 else apply_grid(num_values)
         cells = self._step.cells
@@ -618,7 +627,7 @@ class CudaBackend:
         planes, fixed = self._memo("build_step", (snap, mirror, out, row_entry, pages, offsets, consts, shared),
                                    lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
                                                                   consts, shared))
-        table_blocks, pos_blocks = step_grid(planes, int(consts.max_blocks), int(consts.max_batch),
+        table_blocks, pos_blocks = step_grid(planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                                              int(pages.shape[1]), mode, num_entries, num_values, num_tokens)
         args = fixed + (np.int32(table_blocks),)
         with self.device_context():
@@ -637,6 +646,10 @@ class CudaBackend:
         _require_device(pages, "pages")
         _require_device(offsets, "offsets")
         _require_device(consts.d_group_null, "consts.d_group_null")
+        _require_device(consts.d_group_layers, "consts.d_group_layers")
+        if consts.d_group_layers.shape != (consts.num_groups + 1 + consts.num_layers,):
+            raise ValueError(f"build_step: consts.d_group_layers has shape {consts.d_group_layers.shape}, "
+                             f"expected ({consts.num_groups + 1 + consts.num_layers},) (Layout.group_layers)")
         if consts.d_group_null.shape != (consts.num_groups,):
             raise ValueError(f"build_step: consts.d_group_null has shape {consts.d_group_null.shape}, expected "
                              f"({consts.num_groups},) (each group's null slot, or BAD)")
@@ -652,7 +665,7 @@ class CudaBackend:
         if tpb <= 0 or tpb & (tpb - 1):
             raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
         fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
-                 consts.d_group_scale, consts.d_group_null, np.int32(consts.num_layers), np.int32(consts.num_groups),
+                 consts.d_group_scale, consts.d_group_null, consts.d_group_layers, np.int32(consts.num_layers), np.int32(consts.num_groups),
                  np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
                  np.int32(1 if shared else 0))
         return planes, fixed

@@ -109,6 +109,7 @@ struct StepArgs {
     const int* layer_koff;
     const int* group_scale;
     const int* group_null;    // [P]: each group's null slot, or BAD (CacheSpec.null_slot off)
+    const int* group_layers;  // [P + 1 + L]: starts, then each group's layers (Layout.group_layers)
     int num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared;
 };
 
@@ -138,83 +139,20 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
     return min(max(row, 0), rows - 1);   // a corrupt snapshot (unsafe staging) stays inside the buffers
 }
 
-// One FULL-mode work item: where it writes, and its mirror quad (loaded before any store, see full_tables).
-struct Item {
-    int* dst = nullptr;      // the K quad; V is B words further; null: past the end of the work
-    int4 base;
-    int s = 0, p = 0, plane = 0, b0 = 0;
-    bool pad = false;        // a padding row: the null page (BAD without a null slot)
-};
-
-template <typename Index>
-__device__ __forceinline__ Item load_item(const StepArgs& a, Index k, Index total, Index per_plane, int quads,
-                                          int num_seqs, int epoch, const int* copy_idx)
-{
-    Item it;
-    if (k >= total)
-        return it;
-    it.plane = static_cast<int>(k / per_plane);
-    const Index q = k - it.plane * per_plane;
-    it.s = static_cast<int>(q / quads);
-    it.b0 = static_cast<int>(q - static_cast<Index>(it.s) * quads) * 4;
-    it.dst = a.out + ((static_cast<long long>(it.plane) * a.max_batch + it.s) * 2) * a.B + it.b0;
-    it.p = a.shared ? it.plane : a.layer_group[it.plane];
-    if (it.s >= num_seqs) {
-        it.pad = true;
-        return it;
-    }
-    const int row = clamp_row(copy_idx[it.s], a.rows);
-    if (it.plane == 0 && it.b0 == 0)
-        a.row_entry[row] = make_int2(epoch, it.s);
-    it.base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(it.p) * a.rows + row) * a.B + it.b0);
-    return it;
-}
-
-__device__ __forceinline__ void store_item(const StepArgs& a, const Item& it)
-{
-    if (it.dst == nullptr)
-        return;
-    int4 kq, vq;
-    const int scale = a.group_scale[it.p];
-    const int null = a.group_null[it.p];
-    const int off = a.shared ? 0 : a.layer_koff[it.plane];
-    if (it.pad) {            // a padding row of a fixed-size consumer batch: every cell as for a BAD base
-        const int k = table_entry(BAD, null, scale, off), v = table_entry(BAD, null, scale, off + 1);
-        kq = make_int4(k, k, k, k);
-        vq = make_int4(v, v, v, v);
-    } else if (a.shared) {   // K = base * scale, V = K + 1; the consumer adds the layer's offset
-        const int4 base = it.base;
-        kq = make_int4(table_entry(base.x, null, scale, 0), table_entry(base.y, null, scale, 0),
-                       table_entry(base.z, null, scale, 0), table_entry(base.w, null, scale, 0));
-        vq = make_int4(table_entry(base.x, null, scale, 1), table_entry(base.y, null, scale, 1),
-                       table_entry(base.z, null, scale, 1), table_entry(base.w, null, scale, 1));
-    } else {
-        const int4 base = it.base;
-        const int b0 = it.b0;
-        const Scratch sc = scratch_of(a.snap, it.p, it.s);
-        kq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
-                       per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
-        vq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
-                       per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
-    }
-    *reinterpret_cast<int4*>(it.dst) = kq;
-    *reinterpret_cast<int4*>(it.dst + a.B) = vq;
-}
-
 // FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and the null page
-// (BAD without a null slot) for the padding rows [num_seqs, pad_to). Work items are (plane, entry, quad of 4
-// blocks) in output order, so consecutive threads write consecutive 16-byte words: the write pattern of a
-// memset. Each item is one 16-byte mirror load (L2-resident: the mirror is small next to the output) and two
-// 16-byte stores; a thread loads two items before it stores either, so two load chains are in flight while the
-// stores drain.
+// (BAD without a null slot) for the padding rows [num_seqs, pad_to). A work item is (group, entry, quad of 4
+// blocks): one 16-byte mirror load, then two 16-byte stores (K, V) into planes of the group (its layers,
+// PER_LAYER; the group's own plane, SHARED). What an item needs (its row, scratch range, scale) is looked up
+// once for all the planes it writes: looked up per plane, the same lookups held large builds well below the
+// write bandwidth (docs/host_profile.md).
+// When the grid has more threads than there are items (small batches: step_grid then sizes it up to a thread
+// per plane quad), each group's layers are split over `split` threads per item, so a batch of one still
+// spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so every
+// store of a warp writes 512 contiguous bytes: the write pattern of a memset.
 // Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
-// Index is int when the item count fits (64-bit division costs several times more), else long long.
+// Index is int when the work count fits (64-bit division costs several times more), else long long.
 template <typename Index>
-__device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_plane, Index total)
+__device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_group, Index items)
 {
     const int* snap = a.snap;
     const int quads = a.B / 4;
@@ -222,12 +160,48 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     const int epoch = snap[H_EPOCH];
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
+    const int split = a.shared ? 1 : static_cast<int>(max(Index(1), min(stride / max(items, Index(1)),
+                                                                        static_cast<Index>(a.num_layers))));
+    const Index total = items * split;
 
-    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += 2 * stride) {
-        const Item first = load_item(a, k, total, per_plane, quads, num_seqs, epoch, copy_idx);
-        const Item second = load_item(a, k + stride, total, per_plane, quads, num_seqs, epoch, copy_idx);
-        store_item(a, first);
-        store_item(a, second);
+    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += stride) {
+        const int part = static_cast<int>(k / items);      // this thread's share of the group's layers
+        const Index i = k - part * items;
+        const int p = static_cast<int>(i / per_group);
+        const Index q = i - p * per_group;
+        const int s = static_cast<int>(q / quads);
+        const int b0 = static_cast<int>(q - static_cast<Index>(s) * quads) * 4;
+        int4 base = make_int4(BAD, BAD, BAD, BAD);   // a padding row: every cell as for a BAD base
+        Scratch sc;
+        if (s < num_seqs) {
+            const int row = clamp_row(copy_idx[s], a.rows);
+            if (p == 0 && b0 == 0 && part == 0)
+                a.row_entry[row] = make_int2(epoch, s);
+            base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(p) * a.rows + row) * a.B + b0);
+            if (!a.shared)
+                sc = scratch_of(snap, p, s);
+        }
+        const int scale = a.group_scale[p];
+        const int null = a.group_null[p];
+        const int* layers = a.group_layers + a.num_groups + 1;
+        const int first = a.shared ? 0 : a.group_layers[p], last = a.shared ? 1 : a.group_layers[p + 1];
+        for (int j = first + part; j < last; j += split) {
+            const int plane = a.shared ? p : layers[j];
+            // SHARED: K = base * scale, V = K + 1, no scratch; the consumer adds the layer's offset.
+            const int off = a.shared ? 0 : a.layer_koff[plane];
+            const int4 kq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
+                                      per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
+                                      per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
+                                      per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off));
+            const int4 vq = make_int4(
+                per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off + 1),
+                per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off + 1),
+                per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off + 1),
+                per_layer_entry(base.w, null, b0 + 3, sc.beg, sc.end, sc.slots, scale, off + 1));
+            int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b0;
+            *reinterpret_cast<int4*>(dst) = kq;
+            *reinterpret_cast<int4*>(dst + a.B) = vq;
+        }
     }
 }
 
@@ -341,15 +315,15 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
             delta_tables(a, block, table_blocks);
             return;
         }
-        const int planes = a.shared ? a.num_groups : a.num_layers;
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
         const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
-        const long long per_plane = static_cast<long long>(live) * (a.B / 4);
-        const long long total = per_plane * planes;
-        if (total <= 0x7FFFFFFFLL - 0x7FFFFFFLL)     // room for the last strides without overflow
-            full_tables<int>(a, block, table_blocks, static_cast<int>(per_plane), static_cast<int>(total));
+        const long long per_group = static_cast<long long>(live) * (a.B / 4);
+        const long long items = per_group * a.num_groups;
+        // int while the work (items * split <= max(items, threads of the grid)) and a last stride fit
+        if (items <= 0x7FFFFFFFLL - 0x7FFFFFFLL && static_cast<long long>(table_blocks) * blockDim.x <= 0x7FFFFFFLL)
+            full_tables<int>(a, block, table_blocks, static_cast<int>(per_group), static_cast<int>(items));
         else
-            full_tables<long long>(a, block, table_blocks, per_plane, total);
+            full_tables<long long>(a, block, table_blocks, per_group, items);
     } else {
         write_positions(a, block - table_blocks, nblocks - table_blocks);
     }
@@ -361,11 +335,12 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
                   int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
                   const int* __restrict__ layer_group, const int* __restrict__ layer_koff,
-                  const int* __restrict__ group_scale, const int* __restrict__ group_null, int num_layers,
-                  int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int table_blocks)
+                  const int* __restrict__ group_scale, const int* __restrict__ group_null,
+                  const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch,
+                  int B, int capacity, int tpb, int shared, int table_blocks)
 {
     const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
-                     group_null, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+                     group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
     build_step(a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), table_blocks);
 }
 
@@ -409,8 +384,9 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_group,
             const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
-            const int* __restrict__ group_null, int num_layers, int num_groups, int rows, int max_batch, int B,
-            int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks, int* sync)
+            const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
+            int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int copy_blocks,
+            int apply_blocks, int table_blocks, int* sync)
 {
     __shared__ int ticket;
     if (threadIdx.x == 0)
@@ -440,7 +416,8 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
         if (reads_mirror)
             wait_phase(sync, SYNC_APPLIED, apply_blocks);
         const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_group, layer_koff, group_scale,
-                         group_null, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+                         group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb,
+                         shared};
         build_step(a, block, nblocks, table_blocks);
     }
     __syncthreads();
