@@ -256,7 +256,11 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 // such a token), so no write ever targets the null slot. t runs over the step's new tokens in batch order: entry s owns
 // [cu_tokens[s], cu_tokens[s+1]) and its first new token is at sequence position start_pos[s]. Everything is
 // clamped, so a corrupt snapshot (unsafe staging) writes garbage inside the buffers, never outside them.
-__device__ void write_positions(const StepArgs& a, int block, int nblocks)
+// A thread per (layer, token), tokens fastest: each thread's loads are a short chain of independent lookups,
+// not a walk over the layers, and a warp's stores of pages[l, t] are contiguous.
+// Index is int when the work count fits, else long long (as in full_tables).
+template <typename Index>
+__device__ void write_positions(const StepArgs& a, int block, int nblocks, Index total)
 {
     const int* snap = a.snap;
     const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
@@ -264,45 +268,48 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks)
     const int* cu = snap + snap[H_OFF_CU_TOKENS];
     const int* start_pos = snap + snap[H_OFF_START_POS];
     const long long cu0 = cu[0];
-    const long long total = min(max(static_cast<long long>(cu[num_seqs]) - cu0, 0LL),
-                                static_cast<long long>(a.capacity));
-    const long long stride = static_cast<long long>(nblocks) * blockDim.x;
+    const Index work = total * a.num_layers;
+    const Index stride = static_cast<Index>(nblocks) * blockDim.x;
 
-    for (long long t = static_cast<long long>(block) * blockDim.x + threadIdx.x; t < total; t += stride) {
+    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < work; k += stride) {
+        const int l = static_cast<int>(k / total);
+        const Index t = k - l * total;
         // The entry that owns token t: the first s with cu[s + 1] - cu[0] > t (entries with no tokens are
         // skipped). With cu_tokens non-decreasing this is exact; otherwise it is some s, still in range.
+        // Entry t is tried first: in a decode step every entry has one token and owns token t = s, and
+        // checking it is two independent loads where the search is a chain of dependent ones.
         const long long target = cu0 + t;
-        int lo = 0, hi = num_seqs;
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (static_cast<long long>(cu[mid + 1]) <= target)
-                lo = mid + 1;
-            else
-                hi = mid;
+        int s = static_cast<int>(min(static_cast<long long>(t), static_cast<long long>(num_seqs - 1)));
+        if (!(cu[s] <= target && target < static_cast<long long>(cu[s + 1]))) {
+            int lo = 0, hi = num_seqs;
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (static_cast<long long>(cu[mid + 1]) <= target)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            if (lo >= num_seqs)
+                continue;
+            s = lo;
         }
-        if (lo >= num_seqs)
-            continue;
-        const int s = lo;
         const int row = clamp_row(copy_idx[s], a.rows);
         const long long pos = static_cast<long long>(start_pos[s]) + (target - cu[s]);
         const int block_of = static_cast<int>(min(max(pos, 0LL) / a.tpb, static_cast<long long>(a.B - 1)));
-        a.offsets[t] = static_cast<int>(pos & static_cast<long long>(a.tpb - 1));   // pos mod tpb, tpb = 2^k
-#pragma unroll 4
-        for (int l = 0; l < a.num_layers; ++l) {
-            const int p = a.layer_group[l];
-            const int scale = a.group_scale[p];
-            // Layers of one group read the same mirror cell: after the first, an L1 hit.
-            const int base = a.mirror[(static_cast<long long>(p) * a.rows + row) * a.B + block_of];
-            const int off = a.layer_koff[l];
-            int page;
-            if (a.shared) {
-                page = slot_entry(base, scale, off);
-            } else {
-                const Scratch sc = scratch_of(snap, p, s);
-                page = per_layer_entry(base, BAD, block_of, sc.beg, sc.end, sc.slots, scale, off);
-            }
-            a.pages[static_cast<long long>(l) * a.capacity + t] = page;
+        if (l == 0)
+            a.offsets[t] = static_cast<int>(pos & static_cast<long long>(a.tpb - 1));   // pos mod tpb, tpb = 2^k
+        const int p = a.layer_group[l];
+        const int scale = a.group_scale[p];
+        const int base = a.mirror[(static_cast<long long>(p) * a.rows + row) * a.B + block_of];
+        const int off = a.layer_koff[l];
+        int page;
+        if (a.shared) {
+            page = slot_entry(base, scale, off);
+        } else {
+            const Scratch sc = scratch_of(snap, p, s);
+            page = per_layer_entry(base, BAD, block_of, sc.beg, sc.end, sc.slots, scale, off);
         }
+        a.pages[static_cast<long long>(l) * a.capacity + t] = page;
     }
 }
 
@@ -325,7 +332,15 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
         else
             full_tables<long long>(a, block, table_blocks, per_group, items);
     } else {
-        write_positions(a, block - table_blocks, nblocks - table_blocks);
+        const int* cu = a.snap + a.snap[H_OFF_CU_TOKENS];
+        const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
+        const long long total = min(max(static_cast<long long>(cu[num_seqs]) - cu[0], 0LL),
+                                    static_cast<long long>(a.capacity));
+        const long long pos_threads = static_cast<long long>(nblocks - table_blocks) * blockDim.x;
+        if (total * a.num_layers <= 0x7FFFFFFFLL - 0x7FFFFFFLL && pos_threads <= 0x7FFFFFFLL)
+            write_positions<int>(a, block - table_blocks, nblocks - table_blocks, static_cast<int>(total));
+        else
+            write_positions<long long>(a, block - table_blocks, nblocks - table_blocks, total);
     }
 }
 
@@ -372,6 +387,8 @@ __device__ __forceinline__ void phase_done(int* sync, int which)
 
 __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
 {
+    if (blocks == 0)              // a phase with no blocks (no deltas to apply): nothing to read the count for
+        return;
     if (threadIdx.x == 0) {
         while (atomicAdd(sync + which, 0) < blocks)
             __nanosleep(64);
