@@ -232,11 +232,11 @@ def device_count() -> int:
     return int(runtime.getDeviceCount())
 
 
-def step_grid(planes: int, groups: int, layers: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
+def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
               num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
     entries for max_batch, a fixed DELTA grid, tokens for the capacity. Write positions: a thread per
-    (layer, new token).
+    (group, new token).
 
     FULL tables: a thread per (group, entry, quad of blocks) writes that quad into all of the group's
     planes; where that gives fewer than TABLE_FILL_BLOCKS blocks, the grid grows towards a thread per plane
@@ -251,7 +251,7 @@ def step_grid(planes: int, groups: int, layers: int, max_blocks: int, max_batch:
         threads = max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
         table = -(-threads // STEP_THREADS)
     tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
-    return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * layers) // STEP_THREADS), POS_MAX_BLOCKS)
+    return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * groups) // STEP_THREADS), POS_MAX_BLOCKS)
 
 
 def apply_grid(num_values: Optional[int]) -> int:
@@ -331,7 +331,7 @@ class CudaStepPlan(StepPlan):
             self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
-        self._grid = (self.planes, consts.num_groups, consts.num_layers, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
+        self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
@@ -373,9 +373,9 @@ class CudaStepPlan(StepPlan):
         apply blocks."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
-        planes, groups, layers, max_blocks, max_batch, capacity = self._grid
-        table, pos = step_grid(planes, groups, layers, max_blocks, max_batch, capacity, mode, num_entries,
-                               num_values, num_tokens)
+        planes, groups, max_blocks, max_batch, capacity = self._grid
+        table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_values,
+                               num_tokens)
         copy = min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
         apply = 0 if num_values == 0 else apply_grid(num_values)
         cells = self._step.cells
@@ -629,7 +629,7 @@ class CudaBackend:
         planes, fixed = self._memo("build_step", (snap, mirror, out, row_entry, pages, offsets, consts, shared),
                                    lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
                                                                   consts, shared))
-        table_blocks, pos_blocks = step_grid(planes, consts.num_groups, consts.num_layers, int(consts.max_blocks),
+        table_blocks, pos_blocks = step_grid(planes, consts.num_groups, int(consts.max_blocks),
                                              int(consts.max_batch), int(pages.shape[1]), mode, num_entries,
                                              num_values, num_tokens)
         args = fixed + (np.int32(table_blocks),)

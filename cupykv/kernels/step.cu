@@ -256,8 +256,9 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 // such a token), so no write ever targets the null slot. t runs over the step's new tokens in batch order: entry s owns
 // [cu_tokens[s], cu_tokens[s+1]) and its first new token is at sequence position start_pos[s]. Everything is
 // clamped, so a corrupt snapshot (unsafe staging) writes garbage inside the buffers, never outside them.
-// A thread per (layer, token), tokens fastest: each thread's loads are a short chain of independent lookups,
-// not a walk over the layers, and a warp's stores of pages[l, t] are contiguous.
+// A thread per (group, token), tokens fastest: it finds the token's entry and mirror cell once, then writes
+// the token's page for each layer of the group (a warp's stores of pages[l, t] are contiguous). A thread per
+// (layer, token) would repeat the entry search, a chain of dependent loads for context tokens, per layer.
 // Index is int when the work count fits, else long long (as in full_tables).
 template <typename Index>
 __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index total)
@@ -268,12 +269,12 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
     const int* cu = snap + snap[H_OFF_CU_TOKENS];
     const int* start_pos = snap + snap[H_OFF_START_POS];
     const long long cu0 = cu[0];
-    const Index work = total * a.num_layers;
+    const Index work = total * a.num_groups;
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
 
     for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < work; k += stride) {
-        const int l = static_cast<int>(k / total);
-        const Index t = k - l * total;
+        const int p = static_cast<int>(k / total);
+        const Index t = k - p * total;
         // The entry that owns token t: the first s with cu[s + 1] - cu[0] > t (entries with no tokens are
         // skipped). With cu_tokens non-decreasing this is exact; otherwise it is some s, still in range.
         // Entry t is tried first: in a decode step every entry has one token and owns token t = s, and
@@ -296,20 +297,22 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
         const int row = clamp_row(copy_idx[s], a.rows);
         const long long pos = static_cast<long long>(start_pos[s]) + (target - cu[s]);
         const int block_of = static_cast<int>(min(max(pos, 0LL) / a.tpb, static_cast<long long>(a.B - 1)));
-        if (l == 0)
+        if (p == 0)
             a.offsets[t] = static_cast<int>(pos & static_cast<long long>(a.tpb - 1));   // pos mod tpb, tpb = 2^k
-        const int p = a.layer_group[l];
         const int scale = a.group_scale[p];
         const int base = a.mirror[(static_cast<long long>(p) * a.rows + row) * a.B + block_of];
-        const int off = a.layer_koff[l];
-        int page;
-        if (a.shared) {
-            page = slot_entry(base, scale, off);
-        } else {
-            const Scratch sc = scratch_of(snap, p, s);
-            page = per_layer_entry(base, BAD, block_of, sc.beg, sc.end, sc.slots, scale, off);
+        Scratch sc;
+        if (!a.shared)
+            sc = scratch_of(snap, p, s);
+        const int* layers = a.group_layers + a.num_groups + 1;
+        for (int j = a.group_layers[p]; j < a.group_layers[p + 1]; ++j) {
+            const int l = layers[j];
+            const int off = a.layer_koff[l];
+            // SHARED: the K page with the layer's offset; PER_LAYER: scratch blocks of contexts too.
+            const int page = a.shared ? slot_entry(base, scale, off)
+                                      : per_layer_entry(base, BAD, block_of, sc.beg, sc.end, sc.slots, scale, off);
+            a.pages[static_cast<long long>(l) * a.capacity + t] = page;
         }
-        a.pages[static_cast<long long>(l) * a.capacity + t] = page;
     }
 }
 
@@ -337,7 +340,7 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
         const long long total = min(max(static_cast<long long>(cu[num_seqs]) - cu[0], 0LL),
                                     static_cast<long long>(a.capacity));
         const long long pos_threads = static_cast<long long>(nblocks - table_blocks) * blockDim.x;
-        if (total * a.num_layers <= 0x7FFFFFFFLL - 0x7FFFFFFLL && pos_threads <= 0x7FFFFFFLL)
+        if (total * a.num_groups <= 0x7FFFFFFFLL - 0x7FFFFFFLL && pos_threads <= 0x7FFFFFFLL)
             write_positions<int>(a, block - table_blocks, nblocks - table_blocks, static_cast<int>(total));
         else
             write_positions<long long>(a, block - table_blocks, nblocks - table_blocks, total);
