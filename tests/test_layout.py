@@ -125,6 +125,22 @@ def test_gemma3_groups():
     assert (swa.scale, full.scale) == (104, 20)
 
 
+def test_group_layers_list_each_groups_layers():
+    """Layout.group_layers (what the step kernels walk a group's layers by): [P + 1] starts, then each
+    group's layers in layer order, against the layers whose layer_group is that group."""
+    for spec in (gpt_oss_spec(), gemma3_spec(),
+                 CacheSpec(windows=[32, 256, None, 32, 256, 32], sink_tokens=4, num_kv_heads=1, head_dim=8,
+                           tokens_per_block=8, max_seq_len=700, max_batch=5, slots_per_group=64)):
+        lay = Layout(spec)
+        P, L = lay.num_groups, lay.num_layers
+        gl = lay.group_layers
+        assert gl.dtype == np.int32 and gl.shape == (P + 1 + L,)
+        starts, layers = gl[:P + 1], gl[P + 1:]
+        for p in range(P):
+            assert list(layers[starts[p]:starts[p + 1]]) == list(np.flatnonzero(lay.layer_group == p))
+        assert starts[0] == 0 and starts[P] == L
+
+
 @pytest.mark.parametrize("layer,role,offset", [
     (0, 0, 0),
     (4, 1, 9),       # SWA i=4 -> K 8, V 9
