@@ -352,9 +352,9 @@ def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hi
 def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, table_blocks, path):
     """The FULL tables split each group's layers over as many threads per (group, entry, quad) as the grid
     has to spare (none, when the items outnumber the grid's threads and it strides over them): grids of a
-    few blocks, which step_grid never picks for these shapes, give every split from 1 to the layer count
-    and partial last strides, against the same oracle; the write positions (a thread per layer and token)
-    get as few blocks."""
+    few blocks, which step_grid never picks for these shapes, give splits from 1 up to the layer count
+    (most of them, not every one, per spec) and partial last strides, against the same oracle; the write
+    positions (a thread per group and token) get as few blocks."""
     from cupykv.backends import cuda
     sized = cuda.step_grid
     monkeypatch.setattr(cuda, "step_grid", lambda *a: (table_blocks, min(sized(*a)[1], table_blocks)))

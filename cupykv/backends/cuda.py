@@ -331,7 +331,8 @@ class CudaStepPlan(StepPlan):
             self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
-        self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch), int(pages.shape[1]))
+        self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
+                      int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
@@ -624,7 +625,8 @@ class CudaBackend:
         consts.d_group_null names one for the group (write positions keep BAD either way). row_entry
         [rows, 2]: which batch entry each row of the last FULL step's batch was. pages [L, capacity] /
         offsets [capacity]: where each new token's K/V goes. mode and the counts only size the grid; the
-        kernel reads the truth from the snapshot, so a stale hint costs time, never correctness. num_tokens=None sizes the positions for the capacity.
+        kernel reads the truth from the snapshot, so a stale hint costs time, never correctness.
+        num_tokens=None sizes the positions for the capacity.
         """
         planes, fixed = self._memo("build_step", (snap, mirror, out, row_entry, pages, offsets, consts, shared),
                                    lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
@@ -668,7 +670,8 @@ class CudaBackend:
         if tpb <= 0 or tpb & (tpb - 1):
             raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
         fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
-                 consts.d_group_scale, consts.d_group_null, consts.d_group_layers, np.int32(consts.num_layers), np.int32(consts.num_groups),
+                 consts.d_group_scale, consts.d_group_null, consts.d_group_layers, np.int32(consts.num_layers),
+                 np.int32(consts.num_groups),
                  np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),
                  np.int32(1 if shared else 0))
         return planes, fixed

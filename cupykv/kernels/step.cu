@@ -5,7 +5,8 @@
 // Every kernel reads its per-step counts from the snapshot header on the device, never from launch
 // arguments. That keeps launches identical from step to step (a CUDA graph can replay them with a grid
 // sized for capacity) and means a stale host-side hint can only change how much of the grid idles,
-// never what is computed.
+// never what is computed. (cupykv_step's one exception: a phase given no blocks does not run; the plan gives
+// the apply phase none only for a step without deltas.)
 //
 // The contract these kernels implement is "The conversion contract" in docs/design.md; cupykv/reference.py
 // is the oracle and cupykv/backends/host.py holds NumPy emulations of the same kernels.
@@ -147,8 +148,8 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
 // write bandwidth (docs/host_profile.md).
 // When the grid has more threads than there are items (small batches: step_grid then sizes it up to a thread
 // per plane quad), each group's layers are split over `split` threads per item, so a batch of one still
-// spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so every
-// store of a warp writes 512 contiguous bytes: the write pattern of a memset.
+// spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so a warp's
+// stores are contiguous (512 bytes where the warp stays in one row): the write pattern of a memset.
 // Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
 // Index is int when the work count fits (64-bit division costs several times more), else long long.
 template <typename Index>
