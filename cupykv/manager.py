@@ -392,8 +392,9 @@ class KVCacheManager:
             starts = reqs.cap[rows]
         reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
-        step = Step(step_id, plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows),
-                    layout=self.layout, owner=self, pad_to=plan.pad_to, moves=reqs.moves)
+        ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
+        step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
+                    owner=self, pad_to=plan.pad_to, moves=reqs.moves)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
@@ -427,11 +428,12 @@ class KVCacheManager:
         held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
         for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
             if chunks.lens:
-                # each run's cells count up from its start, its slots from its offset
-                lens = np.array(chunks.lens, np.int64)
-                within = np.arange(int(lens.sum())) - (lens.cumsum() - lens).repeat(lens)
-                table.write(np.array(chunks.starts, np.int64).repeat(lens) + within,
-                            slots[np.array(chunks.offs, np.int64).repeat(lens) + within])
+                # each run's cells count up from its start, its slots from its offset: the cells of the
+                # ranges [start, start + len), each tagged with its run's start - offset
+                starts = np.array(chunks.starts, np.int64)
+                shift, cells = _expand_ranges(starts - np.array(chunks.offs, np.int64), starts,
+                                              starts + np.array(chunks.lens, np.int64))
+                table.write(cells, slots[cells - shift])
             for c, s_lo, s_hi, o, n in chunks.scratch:
                 if c not in held:
                     held[c] = [_NO_SLOTS] * lay.num_groups

@@ -51,7 +51,7 @@ class CachedSeq:
     hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
     published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
     margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
-    ranges: Dict = field(default_factory=dict)    # group -> (lo, hi) arrays of the retained ranges
+    ranges: Dict = field(default_factory=dict)    # group -> the retained block ranges, a list of (lo, hi)
 
 
 class PrefixCache:

@@ -48,7 +48,7 @@ class Residence:
         latest = self.ledger.latest
         if latest is None or latest.is_complete():
             return None
-        if latest.finished is None:
+        if not latest.is_finished():
             raise StepOrderError(f"request {rid!r}: step {latest.id} is not finished; call step.finish(stream) "
                                  "after its consumer's last write, then suspend")
         return latest.finished

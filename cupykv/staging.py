@@ -77,7 +77,7 @@ def pow2_buckets(lowest: int, cap: int) -> list:
     """The sizes a count in [1, cap] rounds up to: powers of two from the first one >= lowest, capped at
     cap (the last bucket is cap itself)."""
     cap = max(int(cap), 1)
-    size = 1 << max(int(lowest) - 1, 0).bit_length()
+    size = pow2_at_least(lowest)
     buckets = [min(size, cap)]
     while size < cap:
         size *= 2
