@@ -12,10 +12,8 @@ configuration failed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -23,7 +21,9 @@ import numpy as np
 from ..layout import Layout, cdiv
 from ..manager import KVCacheManager
 from ..spec import CacheSpec
+from .machine import failure
 from .record import stats
+from .report import write_named
 from .workload import SHAPES
 
 
@@ -158,15 +158,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             try:
                 rows.append(run_config(spec, backend, devices, graphs, lengths, steps, warmup))
             except Exception as exc:  # noqa: BLE001 - reported in the row; the others go on
-                import traceback
-                traceback.print_exc()
-                rows.append(dict(devices=devices, graphs=graphs, error=f"{type(exc).__name__}: {exc}"[:300]))
+                rows.append(dict(devices=devices, graphs=graphs, error=failure(exc, 300)))
     meta = dict(backend=backend, seq=seq, batch=batch, tpb=spec.tokens_per_block, steps=steps)
     md = markdown(rows, meta)
     print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "devices.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "devices.md").write_text(md)
+        write_named(dict(meta=meta, rows=rows), a.out, "devices", md)
     return 1 if any("error" in r for r in rows) else 0

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -43,7 +42,7 @@ import numpy as np
 from ..manager import KVCacheManager
 from .checks import StepCheck, check_step
 from .contenders import TorchContender, make_contenders, torch_status
-from .machine import free_device_memory, versions
+from .machine import failure, free_device_memory, log, versions
 from .record import ROW_KEYS, STAT_KEYS, Recorder, error_row, evaluate_targets, floor_row, is_floor, live_bytes
 from .timing import Timer, make_timer
 from .workload import (CASES_CTX, CASES_DECODE_ONLY, SHAPES, SMOKE_SHAPE, Plan, Settings, Shape, Workload,
@@ -54,10 +53,6 @@ __all__ = ["CASES_CTX", "CASES_DECODE_ONLY", "ROW_KEYS", "SHAPES", "SMOKE_SHAPE"
            "Workload", "config_rows", "evaluate_targets", "run", "run_shape"]
 
 Floor = Tuple[list, list, list]         # host, device, wall samples
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 LABELS = {"per_layer": "cupykv", "shared": "cupykv-shared"}
@@ -195,7 +190,7 @@ def run_shape(settings: Settings, shape: Shape, seq: int, batch: int, rng: np.ra
                 rows.append(floor_row(base, FLOOR_NAMES[mode], floor, timer.cuda))
     for v in variants:
         v.close()
-    _log(f"  setup {setup_s:.1f} s")
+    log(f"  setup {setup_s:.1f} s")
     return rows
 
 
@@ -229,19 +224,17 @@ def run(settings: Settings) -> dict:
             for seq in settings.seqs:
                 for batch in settings.batches:
                     t0 = time.perf_counter()
-                    _log(f"{shape.name} max_seq_len={seq} batch={batch} contexts={list(settings.contexts)} ...")
+                    log(f"{shape.name} max_seq_len={seq} batch={batch} contexts={list(settings.contexts)} ...")
                     try:
                         rows += run_shape(settings, shape, seq, batch, rng, check_rng, timer, use_torch, messages)
                     except Exception as exc:   # noqa: BLE001 - report it, run the other shapes
-                        import traceback
-                        traceback.print_exc()
-                        why = f"{type(exc).__name__}: {exc}"[:400]
+                        why = failure(exc)
                         failures.append(f"{shape.name} {seq} {batch}: {why}")
                         messages.append(f"ERROR {shape.name} max_seq_len={seq} batch={batch}: {why}")
                         for nctx in settings.contexts:
                             for case in cases_for(nctx):
                                 rows.append(error_row(shape.name, seq, batch, nctx, case, why))
-                    _log(f"  done in {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - started:.0f} s)")
+                    log(f"  done in {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - started:.0f} s)")
                     free_device_memory()
     finally:
         if timer.timeouts:

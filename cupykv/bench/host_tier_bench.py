@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -46,7 +45,7 @@ from ..layout import cdiv
 from ..manager import KVCacheManager
 from ..spec import CacheSpec
 from ..storage import KVStorage, StorageDtypeError
-from .machine import free_device_memory, versions
+from .machine import failure, free_device_memory, log, versions
 from .prefix_trace import _prefill, _slot_counts
 from .record import stats
 from .workload import SHAPES, Shape
@@ -78,10 +77,6 @@ def smoke_settings(**kw) -> HostTierSettings:
                 backend="host", smoke=True)
     base.update(kw)
     return HostTierSettings(**base)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class _Clock:
@@ -407,7 +402,7 @@ def run_host_tier(s: HostTierSettings) -> dict:
     detail = {}
     rig = None
     try:
-        _log(f"host tier: {shape.name}, {s.prompt}-token request, {full_slots} full-attention slots ...")
+        log(f"host tier: {shape.name}, {s.prompt}-token request, {full_slots} full-attention slots ...")
         rig = _Rig(shape.windows, shape, s, max_seq, max_batch, full_slots, swa_slots, blocks + 8, swa_keep + 8,
                    messages)
         lay = rig.layout
@@ -418,16 +413,16 @@ def run_host_tier(s: HostTierSettings) -> dict:
         mgr = rig.mgr
         mgr.add("A", s.prompt)
         _prefill(mgr, {"A": s.prompt}, s.chunk)
-        _log("host tier: contiguous round trips ...")
+        log("host tier: contiguous round trips ...")
         contiguous = _round_trips(rig, "A", s.reps, clock)
         copies += _copy_rows("contiguous", "one run of slots per group", contiguous)
         total = int(np.median(contiguous["suspend"]["bytes"]))
         detail["window_only_bytes"] = total
-        _log(f"host tier: memcpy baseline of {total} bytes ...")
+        log(f"host tier: memcpy baseline of {total} bytes ...")
         copies += _copy_rows("memcpy", "one pinned <-> device memcpyAsync of the contiguous suspend's bytes",
                              _memcpy(rig.mgr.backend, total, s.reps, clock))
         if s.bg_requests:
-            _log(f"host tier: overlap with {s.bg_requests} requests decoding ...")
+            log(f"host tier: overlap with {s.bg_requests} requests decoding ...")
             try:
                 bg = [f"bg{i}" for i in range(s.bg_requests)]
                 for rid in bg:
@@ -439,15 +434,13 @@ def run_host_tier(s: HostTierSettings) -> dict:
                 for rid in bg:
                     mgr.free(rid)
             except Exception as exc:   # noqa: BLE001
-                import traceback
-                traceback.print_exc()
-                why = f"{type(exc).__name__}: {exc}"[:400]
+                why = failure(exc)
                 failures.append(f"overlap: {why}")
                 overlap = [dict(direction=d, error=why) for d in ("suspend", "resume")]
         mgr.free("A")
         mgr.synchronize()
         if s.frag_run:
-            _log(f"host tier: fragmented (runs of {s.frag_run} slots) ...")
+            log(f"host tier: fragmented (runs of {s.frag_run} slots) ...")
             try:
                 mgr.add("B", s.prompt)
                 mgr.add("C", s.prompt)
@@ -466,15 +459,11 @@ def run_host_tier(s: HostTierSettings) -> dict:
                 mgr.free("B")
                 mgr.free("C")
             except Exception as exc:   # noqa: BLE001
-                import traceback
-                traceback.print_exc()
-                why = f"{type(exc).__name__}: {exc}"[:400]
+                why = failure(exc)
                 failures.append(f"fragmented: {why}")
                 copies += [dict(case="fragmented", direction=d, error=why) for d in ("suspend", "resume")]
     except Exception as exc:   # noqa: BLE001
-        import traceback
-        traceback.print_exc()
-        why = f"{type(exc).__name__}: {exc}"[:400]
+        why = failure(exc)
         failures.append(f"host tier: {why}")
         have = {(r["case"], r.get("direction")) for r in copies}
         for case in ("contiguous", "memcpy", "fragmented"):
@@ -487,7 +476,7 @@ def run_host_tier(s: HostTierSettings) -> dict:
         rig = None
         free_device_memory()
     if s.whole:
-        _log("host tier: whole-sequence spec (every layer full attention) ...")
+        log("host tier: whole-sequence spec (every layer full attention) ...")
         try:
             wrig = _Rig((None,) * len(shape.windows), shape, s, max_seq, 4, blocks + 64, 0, blocks + 8, 0, messages)
             wrig.mgr.add("W", s.prompt)
@@ -498,9 +487,7 @@ def run_host_tier(s: HostTierSettings) -> dict:
             wrig.close()
             del wrig
         except Exception as exc:   # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            why = f"{type(exc).__name__}: {exc}"[:400]
+            why = failure(exc)
             failures.append(f"whole-sequence: {why}")
             copies += [dict(case="whole-sequence", direction=d, error=why) for d in ("suspend", "resume")]
         free_device_memory()

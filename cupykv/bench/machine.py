@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import traceback
 
 import numpy as np
 
@@ -72,3 +73,14 @@ def free_device_memory() -> None:
             cupy.get_default_memory_pool().free_all_blocks()
     except Exception:   # noqa: BLE001
         pass
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (the results go to stdout and the output files)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def failure(exc: BaseException, limit: int = 400, prefix: str = "") -> str:
+    """Print the traceback of the exception being handled; return its one-line reason for a result row."""
+    traceback.print_exc()
+    return f"{prefix}{type(exc).__name__}: {exc}"[:limit]

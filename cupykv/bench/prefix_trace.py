@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import datetime
 import heapq
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ from ..backends.host import HostBackend
 from ..layout import Layout, cdiv
 from ..manager import KVCacheManager
 from ..spec import CacheSpec
-from .machine import free_device_memory, versions
+from .machine import failure, free_device_memory, log, versions
 from .record import stats
 from .workload import SHAPES, Shape
 
@@ -166,10 +165,6 @@ class SkipKernelsBackend(HostBackend):
         pass
 
 
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _shapes(smoke: bool) -> Dict[str, Shape]:
@@ -546,9 +541,7 @@ def bench_decode(shape: Shape, tpb: int, batch: int, ctx: int, steps: int, warmu
                 mgr.settle(step, new_tokens=nt)
                 t3 = time.perf_counter()
             except Exception as exc:   # noqa: BLE001 - this variant stops; its row says why
-                import traceback
-                traceback.print_exc()
-                errors[name] = f"decode step {i}: {type(exc).__name__}: {exc}"[:400]
+                errors[name] = failure(exc, prefix=f"decode step {i}: ")
                 continue
             if i >= warmup:
                 s = samples[name]
@@ -627,13 +620,11 @@ def run_prefix(s: PrefixSettings) -> dict:
             shape = shapes[pattern]
             for tpb in s.tpbs:
                 for policy in POLICIES:
-                    _log(f"prefix trace: {pattern} tpb {tpb} {policy.name} ...")
+                    log(f"prefix trace: {pattern} tpb {tpb} {policy.name} ...")
                     try:
                         row = run_trace(trace, cfg, pattern, shape, tpb, policy, backend_name, s.emulate)
                     except Exception as exc:   # noqa: BLE001 - reported in the row; the others go on
-                        import traceback
-                        traceback.print_exc()
-                        why = f"{type(exc).__name__}: {exc}"[:400]
+                        why = failure(exc)
                         result["failures"].append(f"trace {pattern} tpb{tpb} {policy.name}: {why}")
                         row = trace_error_row(pattern, shape, tpb, policy, why)
                     result["trace"].append(row)
@@ -647,27 +638,23 @@ def run_prefix(s: PrefixSettings) -> dict:
     add_shape = shapes["gpt-oss"]
     if "add" in s.parts:
         for tpb in s.tpbs:
-            _log(f"prefix add: {s.add_prompt} tokens, tpb {tpb} ...")
+            log(f"prefix add: {s.add_prompt} tokens, tpb {tpb} ...")
             try:
                 result["add"] += bench_add(add_shape, tpb, s.add_prompt, s.reps, backend_name, cfg.seed, s.emulate)
             except Exception as exc:   # noqa: BLE001
-                import traceback
-                traceback.print_exc()
-                why = f"{type(exc).__name__}: {exc}"[:400]
+                why = failure(exc)
                 result["failures"].append(f"add tpb{tpb}: {why}")
                 result["add"].append(dict(shape=add_shape.name, tpb=tpb, prompt_tokens=s.add_prompt, case="all",
                                           error=why))
             free_device_memory()
     if "decode" in s.parts:
         tpb = 32 if 32 in s.tpbs else s.tpbs[0]
-        _log(f"prefix decode: batch {s.decode_batch}, {s.decode_ctx} tokens, tpb {tpb} ...")
+        log(f"prefix decode: batch {s.decode_batch}, {s.decode_ctx} tokens, tpb {tpb} ...")
         try:
             result["decode"] = bench_decode(add_shape, tpb, s.decode_batch, s.decode_ctx, s.decode_steps,
                                             s.decode_warmup, backend_name, cfg.seed, s.emulate)
         except Exception as exc:   # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            why = f"{type(exc).__name__}: {exc}"[:400]
+            why = failure(exc)
             result["failures"].append(f"decode: {why}")
             result["decode"] = [dict(shape=add_shape.name, tpb=tpb, batch=s.decode_batch, ctx=s.decode_ctx,
                                      variant=v, error=why) for v in DECODE_VARIANTS]

@@ -8,10 +8,11 @@ from typing import List, Optional
 from .record import is_floor
 
 
-def _us(s: Optional[dict]) -> str:
+def _stat(s: Optional[dict], fmt: str = "{:.1f}") -> str:
+    """median [p10-p90] of a stats() dict; "-" for none."""
     if not s:
         return "-"
-    return f"{s['median']:.1f} [{s['p10']:.1f}-{s['p90']:.1f}]"
+    return f"{fmt.format(s['median'])} [{fmt.format(s['p10'])}-{fmt.format(s['p90'])}]"
 
 
 def _kb(s: Optional[dict]) -> str:
@@ -41,7 +42,7 @@ def table_rows(rows: List[dict]) -> List[tuple]:
     for r in rows:
         ratio = f"{r['device_vs_floor']:.2f}" if r.get("device_vs_floor") else "-"
         out.append((r["shape"], _seq(r["max_seq_len"]), str(r["batch"]), str(r["contexts"]), r["case"],
-                    r["contender"], _us(r["host_us"]), _us(r["device_us"]), _us(r["wall_us"]), _kb(r["h2d_bytes"]),
+                    r["contender"], _stat(r["host_us"]), _stat(r["device_us"]), _stat(r["wall_us"]), _kb(r["h2d_bytes"]),
                     ratio, _ok(r)))
     return out
 
@@ -61,10 +62,7 @@ def text_table(rows: List[dict]) -> str:
 
 
 def markdown_table(rows: List[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for b in table_rows(rows):
-        lines.append("| " + " | ".join(b) + " |")
-    return "\n".join(lines)
+    return _grid(HEADER, table_rows(rows), md=True)
 
 
 def targets_text(targets: List[dict]) -> str:
@@ -124,16 +122,7 @@ def markdown(result: dict) -> str:
 
 def write_outputs(result: dict, out_dir: str, plot: bool = True) -> List[str]:
     """bench.json, bench.md and (with matplotlib) bench.png; returns the paths written and notes."""
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
-    p = os.path.join(out_dir, "bench.json")
-    with open(p, "w") as f:
-        json.dump(result, f, indent=1, default=float)
-    written.append(p)
-    p = os.path.join(out_dir, "bench.md")
-    with open(p, "w") as f:
-        f.write(markdown(result))
-    written.append(p)
+    written = write_named(result, out_dir, "bench", markdown(result))
     if plot:
         written.append(write_plot(result, os.path.join(out_dir, "bench.png")))
     return written
@@ -195,12 +184,6 @@ def _grid(header: tuple, body: List[tuple], md: bool) -> str:
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
     return "\n".join(["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
                      + ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body])
-
-
-def _stat(s: Optional[dict], fmt: str = "{:.1f}") -> str:
-    if not s:
-        return "-"
-    return f"{fmt.format(s['median'])} [{fmt.format(s['p10'])}-{fmt.format(s['p90'])}]"
 
 
 def _num(v, fmt: str = "{:.2f}") -> str:
