@@ -11,14 +11,11 @@ import time
 
 import numpy as np
 
-from profile_manager import _DoneEvent  # noqa: E402  (scripts/ is on sys.path when run from it)
+from profile_manager import stub_device_work  # noqa: E402  (scripts/ is on sys.path when run from it)
 from cupykv.backends.host import HostBackend
 from cupykv.bench.harness import SHAPES, Settings, Workload
 
-noop = lambda *a, **k: None   # noqa: E731
-for name in ("copy_h2d", "apply_deltas", "build_step", "wait"):
-    setattr(HostBackend, name, noop)
-HostBackend.record = lambda self, stream: _DoneEvent()
+stub_device_work(HostBackend)
 
 seq = int(sys.argv[sys.argv.index("--seq") + 1]) if "--seq" in sys.argv else 131072
 shape = SHAPES["gpt-oss-120b"]

@@ -38,14 +38,19 @@ def prefilled_manager(batch: int = 256, backend: str = "host") -> cupykv.KVCache
     return mgr
 
 
-def make_manager(batch=256):
-    """prefilled_manager on the host backend, its queued device work replaced by no-ops."""
-    mgr = prefilled_manager(batch)
-    be = mgr.backend
+def stub_device_work(be) -> None:
+    """Replace a host backend's queued device work by no-ops (an instance, or the HostBackend class for
+    every backend made afterwards): the manager's decisions never read device outputs."""
     noop = lambda *a, **k: None   # noqa: E731
     for name in ("copy_h2d", "apply_deltas", "build_step", "wait"):
         setattr(be, name, noop)
-    be.record = lambda stream: _DoneEvent()
+    be.record = lambda *stream: _DoneEvent()     # (stream) on an instance, (self, stream) on the class
+
+
+def make_manager(batch=256):
+    """prefilled_manager on the host backend, its queued device work replaced by no-ops."""
+    mgr = prefilled_manager(batch)
+    stub_device_work(mgr.backend)
     return mgr
 
 

@@ -28,7 +28,7 @@ import cupykv
 from cupykv import BAD, InvalidRequestError, InvalidSpecError, OutOfSlotsError, StepOrderError, UnknownRequestError
 from cupykv.host_tier import HostTierFullError
 from cupykv.storage import KVStorage
-from oracle import Geometry, Model, check_slots, expected_tables
+from oracle import Geometry, Model, check_slots, expected_tables, held_slots
 
 EXAMPLES = int(os.environ.get("CUPYKV_PROPERTY_EXAMPLES", "300"))
 H, D, QH, TPB = 2, 4, 4, 8
@@ -362,12 +362,6 @@ def resident_sets(mgr, rid) -> List[set]:
     return [set(np.asarray(b).tolist()) for b, _ in mgr.resident_blocks(rid)]
 
 
-def held_cells(mgr, rid) -> List[np.ndarray]:
-    """The slots in the request's table row, per group, in block order."""
-    row = mgr.request(rid).row
-    return [mgr.table[p, row][mgr.table[p, row] != BAD] for p in range(len(mgr.pools))]
-
-
 # --------------------------------------------------------------------------------------------------
 # Round trips
 # --------------------------------------------------------------------------------------------------
@@ -391,7 +385,7 @@ def test_round_trip(backend_name, caching):
     assert want[0] == {0, 11, 12, 13} and want[1] == set(range(14)) and want[2] == {0, 10, 11, 12, 13}
     assert resident_sets(mgr, "a") == want
     before = rig.slot_bytes_of("a")
-    old_slots = [set(map(int, s)) for s in held_cells(mgr, "a")]
+    old_slots = [set(s) for s in held_slots(mgr, "a")]
     stats0 = mgr.stats()["host_tier"]
     rig.suspend("a")
     assert mgr.request("a").suspended
@@ -534,7 +528,7 @@ def test_gated_copy_out_vs_reuse(backend_name, variant, writer):
     rig.add("c", 60)                                     # comes later: prefill while "a" is out
     mgr.synchronize()
     before = rig.slot_bytes_of("a")
-    old = [set(map(int, s)) for s in held_cells(mgr, "a")]
+    old = [set(s) for s in held_slots(mgr, "a")]
     if variant == "unsafe":
         _unfenced(mgr)
     stream = be.stream if writer == "manager" else rig.consumer
@@ -544,7 +538,7 @@ def test_gated_copy_out_vs_reuse(backend_name, variant, writer):
     step = rig.prepare({"c": 60})
     rig.consume(step, check=False, kv=kv, stream=stream)
     rig.settle(step)
-    taken = [set(map(int, s)) for s in held_cells(mgr, "c")]
+    taken = [set(s) for s in held_slots(mgr, "c")]
     stream.synchronize()                                 # c's KV is written while the copy waits
     if variant == "safe":
         assert not any(o & t for o, t in zip(old, taken)), "slots of a copy still pending were handed out"
@@ -670,7 +664,7 @@ def test_gated_free_before_copy_back(backend_name):
     step = rig.prepare({"c": 70})
     rig.consume(step, check=False, kv=kv)
     rig.settle(step)
-    taken = [set(map(int, s)) for s in held_cells(mgr, "c")]
+    taken = [set(s) for s in held_slots(mgr, "c")]
     rig.consumer.synchronize()                           # c's KV is written while the copy back waits
     gate.open()
     mgr.synchronize()
@@ -1016,7 +1010,7 @@ class TierMachine(RuleBasedStateMachine):
         if error is not None:
             expect_unchanged(rig, error, rig.storage.suspend, rid)
             return
-        slots = [set(map(int, c)) for c in held_cells(rig.mgr, rid)]
+        slots = [set(c) for c in held_slots(rig.mgr, rid)]
         rig.suspend(rid)
         self.copies.append((rig.be.record(rig.tier.stream), slots))     # completes after the D2H copy
         after = rig.mgr.stats()["host_tier"]
@@ -1043,7 +1037,7 @@ class TierMachine(RuleBasedStateMachine):
                        for n, g in zip(need, rig.mgr.stats()["groups"])) or self.gates, "resume refused with slots to spare"
             return
         event("resume: ok" + (" (tier gated)" if "tier" in self.gates else ""))
-        self.copies.append((rig.be.record(rig.tier.stream), [set(map(int, c)) for c in held_cells(rig.mgr, rid)]))
+        self.copies.append((rig.be.record(rig.tier.stream), [set(c) for c in held_slots(rig.mgr, rid)]))
         assert rig.mgr.stats()["host_tier"]["bytes_to_device"] - tier["bytes_to_device"] == rig.moved_bytes(rid)
 
     def do_run(self, data):
