@@ -39,7 +39,6 @@ class KernelConsts:
         self.rows = self.max_batch = max_batch
         self.max_blocks, self.tokens_per_block = layout.max_blocks, layout.tpb
         self.layer_group, self.layer_koff, self.group_scale = layout.layer_group, layout.layer_koff, layout.group_scale
-        self.d_layer_group = backend.upload(layout.layer_group)
         self.d_layer_koff = backend.upload(layout.layer_koff)
         self.d_group_scale = backend.upload(layout.group_scale)
         self.d_group_layers = backend.upload(layout.group_layers)

@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab] [segments-ab] [dram-ab]
+# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -88,6 +88,8 @@ for part in $parts; do
       done
       cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
+    conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
+      run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
     profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice
       for i in 1 2; do
         for tree in . old_tree; do

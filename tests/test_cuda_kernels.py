@@ -73,7 +73,7 @@ def make_consts(layout: Layout, backend, null_slots=None) -> SimpleNamespace:
         max_batch=layout.spec.max_batch, max_blocks=layout.max_blocks, tokens_per_block=layout.tpb,
         layer_group=layout.layer_group, layer_koff=layout.layer_koff, group_scale=layout.group_scale,
         group_null=group_null,
-        d_layer_group=backend.upload(layout.layer_group), d_layer_koff=backend.upload(layout.layer_koff),
+        d_layer_koff=backend.upload(layout.layer_koff),
         d_group_scale=backend.upload(layout.group_scale), d_group_null=backend.upload(group_null),
         d_group_layers=backend.upload(layout.group_layers))
 
@@ -361,6 +361,38 @@ def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, tabl
     for scenario in ("full_mixed", "random"):
         check_backend(cuda_backend, rng, spec_name, scenario, HINTS["exact"], null=bool(rng.integers(0, 2)),
                       path=path)
+
+
+@requires_gpu
+@pytest.mark.parametrize("hints", ["exact", "none"])
+@pytest.mark.parametrize("extra_runs", [0, 1], ids=["staged", "from_twin"])
+def test_cuda_step_applies_runs_on_both_sides_of_the_staging_limit(rng, cuda_backend, extra_runs, hints):
+    """cupykv_step's apply stages up to APPLY_STAGED_RUNS delta runs in shared memory and reads the deltas
+    from the pinned slot beside the copy; with one run more it waits for the copy and applies from the
+    device twin. Steps with exactly the limit and one more, eager and as a graph replay, against the oracle
+    (FULL and DELTA tables read the mirror and the runs after the apply)."""
+    from cupykv.kernels import APPLY_STAGED_RUNS
+    layout = make_layout("long_rows")
+    runs = APPLY_STAGED_RUNS + extra_runs
+    num_seqs = layout.spec.max_batch
+    case = make_case(layout, rng, num_seqs, 0)
+    case.new = case.old.copy()
+    flat = case.new.reshape(-1)
+    cells = np.sort(rng.choice(flat.size // 2, runs, replace=False)) * 2     # no two adjacent: `runs` runs
+    flat[cells] = (case.old.reshape(-1)[cells] + 1 + rng.integers(0, NUM_SLOTS - 1, runs)) % NUM_SLOTS
+    case.cells = cells.astype(np.int64)
+    P = layout.num_groups
+    assert len(runs_from_cells(case.cells)[0]) == runs
+    for shared in (False, True):
+        bufs = StepBuffers(cuda_backend, layout, case, case.old, shared, case.num_tokens + 5)
+        bufs.run(pack(case, P), MODE_FULL, HINTS[hints](case), "plan")
+        assert np.array_equal(cuda_backend.to_numpy(bufs.mirror), case.new), f"mirror, {runs} runs"
+        bufs.check(case, case.new, f"FULL after {runs} runs shared={shared}")
+        bufs = StepBuffers(cuda_backend, layout, case, case.old, shared, case.num_tokens + 5)
+        bufs.run(pack(case, P, deltas=False), MODE_FULL, HINTS[hints](case), "plan")
+        bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, HINTS[hints](case), "plan")
+        assert np.array_equal(cuda_backend.to_numpy(bufs.mirror), case.new), f"mirror, {runs} runs (DELTA)"
+        bufs.check(case, case.new, f"DELTA after {runs} runs shared={shared}")
 
 
 @requires_gpu

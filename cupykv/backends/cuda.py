@@ -335,9 +335,8 @@ class CudaStepPlan(StepPlan):
                       int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
-        self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_group,
-                               consts.d_layer_koff, consts.d_group_scale, consts.d_group_null,
-                               consts.d_group_layers, self._sync)
+        self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_koff,
+                               consts.d_group_scale, consts.d_group_null, consts.d_group_layers, self._sync)
         self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
 
     def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
@@ -669,7 +668,7 @@ class CudaBackend:
         tpb = int(consts.tokens_per_block)
         if tpb <= 0 or tpb & (tpb - 1):
             raise ValueError(f"build_step: tokens_per_block={tpb} must be a power of two")
-        fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_group, consts.d_layer_koff,
+        fixed = (snap, mirror, out, row_entry, pages, offsets, consts.d_layer_koff,
                  consts.d_group_scale, consts.d_group_null, consts.d_group_layers, np.int32(consts.num_layers),
                  np.int32(consts.num_groups),
                  np.int32(consts.rows), np.int32(max_batch), np.int32(B), np.int32(pages.shape[1]), np.int32(tpb),

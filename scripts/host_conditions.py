@@ -1,0 +1,120 @@
+"""Does the way the benchmark measures change the host time it reports?
+
+prepare_batch on the CUDA backend (decode steps whose batch is the previous one's, as scripts/host_calls.py
+times them), and the benchmark floor's host calls (a 4 KB memcpyAsync and one RawKernel launch), under
+conditions taken in turn step by step, so that a change of the machine's speed hits all of them alike:
+
+    plain         nothing holds the stream (what host_calls.py measures)
+    gate-spin     the stream held by CudaBackend.gate while the host enqueues (what the benchmark does):
+                  one GPU thread reads a word of mapped pinned host memory in a tight loop
+    gate-sleep    the same hold, the GPU thread sleeping 2 us between its reads of the word
+    cold-caches   nothing held, but a 64 MB NumPy pass just before the call (the torch contenders that run
+                  between cupykv's steps in the benchmark leave the CPU caches as cold as this)
+
+    python scripts/host_conditions.py [batch ...]     (default 256 1)
+
+Prints the median per condition. Nothing here is a test: it measures.
+"""
+import sys
+import time
+from collections import defaultdict
+
+import cupy
+import numpy as np
+
+from profile_manager import prefilled_manager
+from cupykv.backends import cuda as cuda_backend
+
+_SLEEPY_GATE = r"""
+extern "C" __global__ void sleepy_gate(volatile int* flag, long long max_cycles)
+{
+    const long long start = clock64();
+    while (*flag == 0 && clock64() - start < max_cycles)
+        __nanosleep(2000);
+}
+"""
+CONDITIONS = ("plain", "gate-spin", "gate-sleep", "cold-caches")
+
+
+class Conditions:
+    def __init__(self, backend):
+        self.backend = backend
+        self.sleepy = cupy.RawKernel(_SLEEPY_GATE, "sleepy_gate")
+        self.big = np.zeros(64 << 18, np.int32)        # 64 MB
+        self.max_cycles = np.int64(5 * backend._clock_rate_khz() * 1000)   # 5 s
+
+    def arm(self, name: str, stream):
+        """Set up condition `name` on `stream`; returns what open() needs afterwards."""
+        if name == "gate-spin":
+            return self.backend.gate(stream)
+        if name == "gate-sleep":
+            ptr = cuda_backend._new_gate_words()
+            gate = cuda_backend.CudaGate(ptr)
+            self.sleepy((1,), (1,), (np.uint64(ptr), self.max_cycles), stream=stream)
+            return gate
+        if name == "cold-caches":
+            np.add(self.big, 1, out=self.big)
+        return None
+
+    @staticmethod
+    def open(gate) -> None:
+        if gate is not None:
+            gate.open()
+
+
+def prepare_under_conditions(batch: int, rounds: int = 200, skip: int = 20) -> None:
+    mgr = prefilled_manager(batch, backend="cuda")
+    be, stream = mgr.backend, mgr.backend.stream
+    cond = Conditions(be)
+    rids = list(range(batch))
+    for graphs in (False, True):
+        mgr.use_graphs = graphs
+        per = defaultdict(list)
+        for i in range(rounds):
+            for name in CONDITIONS:
+                gate = cond.arm(name, stream)
+                t0 = time.perf_counter()
+                s = mgr.prepare_batch((), rids)
+                t1 = time.perf_counter()
+                Conditions.open(gate)
+                s.finish()
+                mgr.settle(s)
+                s.ready.synchronize()
+                if i >= skip:
+                    per[name].append(t1 - t0)
+        print(f"batch {batch}, graphs={graphs}: prepare_batch medians over {rounds - skip} steps per condition")
+        for name in CONDITIONS:
+            print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
+        be.synchronize()
+
+
+def floor_under_conditions(rounds: int = 300, skip: int = 20) -> None:
+    be = cuda_backend.CudaBackend()
+    k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
+    dev = cupy.zeros(1024, np.int32)
+    host = cupy.cuda.alloc_pinned_memory(4096)
+    st = cupy.cuda.Stream(non_blocking=True)
+    k((1,), (32,), (dev,), stream=st)
+    rt = cupy.cuda.runtime
+    cond = Conditions(be)
+    per = defaultdict(list)
+    for i in range(rounds):
+        for name in CONDITIONS:
+            gate = cond.arm(name, st)
+            t0 = time.perf_counter()
+            rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
+            k((1,), (32,), (dev,), stream=st)
+            t1 = time.perf_counter()
+            Conditions.open(gate)
+            st.synchronize()
+            if i >= skip:
+                per[name].append(t1 - t0)
+    print(f"floor host calls (memcpyAsync 4 KB + one launch): medians over {rounds - skip} per condition")
+    for name in CONDITIONS:
+        print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
+
+
+if __name__ == "__main__":
+    for b in [int(a) for a in sys.argv[1:]] or [256, 1]:
+        prepare_under_conditions(b)
+    floor_under_conditions()
