@@ -364,38 +364,6 @@ def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, tabl
 
 
 @requires_gpu
-@pytest.mark.parametrize("hints", ["exact", "none"])
-@pytest.mark.parametrize("extra_runs", [0, 1], ids=["staged", "from_twin"])
-def test_cuda_step_applies_runs_on_both_sides_of_the_staging_limit(rng, cuda_backend, extra_runs, hints):
-    """cupykv_step's apply stages up to APPLY_STAGED_RUNS delta runs in shared memory and reads the deltas
-    from the pinned slot beside the copy; with one run more it waits for the copy and applies from the
-    device twin. Steps with exactly the limit and one more, eager and as a graph replay, against the oracle
-    (FULL and DELTA tables read the mirror and the runs after the apply)."""
-    from cupykv.kernels import APPLY_STAGED_RUNS
-    layout = make_layout("long_rows")
-    runs = APPLY_STAGED_RUNS + extra_runs
-    num_seqs = layout.spec.max_batch
-    case = make_case(layout, rng, num_seqs, 0)
-    case.new = case.old.copy()
-    flat = case.new.reshape(-1)
-    cells = np.sort(rng.choice(flat.size // 2, runs, replace=False)) * 2     # no two adjacent: `runs` runs
-    flat[cells] = (case.old.reshape(-1)[cells] + 1 + rng.integers(0, NUM_SLOTS - 1, runs)) % NUM_SLOTS
-    case.cells = cells.astype(np.int64)
-    P = layout.num_groups
-    assert len(runs_from_cells(case.cells)[0]) == runs
-    for shared in (False, True):
-        bufs = StepBuffers(cuda_backend, layout, case, case.old, shared, case.num_tokens + 5)
-        bufs.run(pack(case, P), MODE_FULL, HINTS[hints](case), "plan")
-        assert np.array_equal(cuda_backend.to_numpy(bufs.mirror), case.new), f"mirror, {runs} runs"
-        bufs.check(case, case.new, f"FULL after {runs} runs shared={shared}")
-        bufs = StepBuffers(cuda_backend, layout, case, case.old, shared, case.num_tokens + 5)
-        bufs.run(pack(case, P, deltas=False), MODE_FULL, HINTS[hints](case), "plan")
-        bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, HINTS[hints](case), "plan")
-        assert np.array_equal(cuda_backend.to_numpy(bufs.mirror), case.new), f"mirror, {runs} runs (DELTA)"
-        bufs.check(case, case.new, f"DELTA after {runs} runs shared={shared}")
-
-
-@requires_gpu
 def test_cuda_gate_holds_stream_until_opened(cuda_backend):
     backend = cuda_backend
     stream = backend.new_stream("gated")

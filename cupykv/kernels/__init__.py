@@ -23,10 +23,6 @@ OPTIONS = ("-std=c++17",)
 # Threads per block of every step kernel launch; cupykv_build_step and cupykv_step declare it as their
 # __launch_bounds__, and a launch with more threads than that would fail.
 STEP_THREADS = 256
-# cupykv_step's apply phase stages up to this many delta runs in shared memory and then reads its deltas
-# from the pinned slot itself, beside the snapshot copy instead of after it; a step with more runs waits
-# for the copy and applies from the device twin (tests build steps on both sides of the limit).
-APPLY_STAGED_RUNS = 1024
 
 
 class KernelModule(NamedTuple):
@@ -36,8 +32,7 @@ class KernelModule(NamedTuple):
 
 
 def _step_prelude() -> str:
-    return (cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
-            f"constexpr int APPLY_STAGED_RUNS = {APPLY_STAGED_RUNS};\n")
+    return cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
 
 
 MODULES: Dict[str, KernelModule] = {

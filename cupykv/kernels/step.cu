@@ -208,8 +208,9 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
 // DELTA mode: the batch is the last FULL step's (the header's epoch names it), row for row, and the output
 // already holds its tables, so only the cells whose table entry changed (the snapshot's deltas) are
 // rewritten. One thread per changed cell: its batch entry comes from row_entry, written by that FULL step;
-// cells of rows outside the batch (an entry from another epoch) are skipped; the cell is written into the
-// layers of its group (Layout.group_layers). A few dozen cells per decode step instead of the whole live output.
+// cells of rows outside the batch (an entry from another epoch) are skipped; a cell is written into the
+// layers of its group (Layout.group_layers). A few dozen cells per decode step instead of the whole live
+// output.
 __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
     const int* snap = a.snap;
@@ -353,8 +354,9 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
                   int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
                   const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
-                  const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch,
-                  int B, int capacity, int tpb, int shared, int table_blocks)
+                  const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
+                  int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
+                  int table_blocks)
 {
     const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale,
                      group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
@@ -366,11 +368,9 @@ cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, 
 // cupykv_step does what the snapshot copy, cupykv_apply_deltas and cupykv_build_step do one after the other,
 // in phases inside one grid: copy the snapshot from the pinned ring slot (read over the bus: host memory that
 // the device addresses directly) into its device twin; apply the deltas to the mirror; build the tables and
-// write positions. A phase's blocks wait for the phases it reads from: DELTA tables (they read only the
-// snapshot) for the copy; FULL tables and the write positions (they read the mirror) for the copy and the
-// apply. The apply reads its deltas from the pinned slot itself and so runs beside the copy (it waits for
-// the copy only when its runs do not fit in shared memory: apply_deltas_staged). That saves the GPU two
-// dependent operations per step, and the host two launches.
+// write positions. A phase's blocks wait for the phases it reads from: the apply for the copy; DELTA tables
+// (they read only the snapshot) for the copy; FULL tables and the write positions (they read the mirror)
+// for the apply as well. That saves the GPU two dependent operations per step, and the host two launches.
 //
 // Roles go by ticket, not blockIdx: a block takes the next ticket when it starts running, so every block a
 // waiting block waits for holds a smaller ticket and is already resident; none of them waits for a larger
@@ -401,45 +401,6 @@ __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
     __syncthreads();
 }
 
-// The apply phase of cupykv_step: apply_deltas reading the deltas from the pinned slot (host_snap) while the
-// copy phase is still moving the snapshot to its device twin, so the tables wait for the slower of the two
-// instead of for both in turn. The block stages the header and the runs in shared memory (a read over the
-// bus each, coalesced), so each cell's run search stays on chip and its only other bus read is its value.
-// A step with more than APPLY_STAGED_RUNS runs waits for the copy and applies from the twin (snap) instead;
-// every block of the phase takes the same branch.
-__device__ void apply_deltas_staged(const int* host_snap, const int* snap, int* mirror, long long mirror_size,
-                                    int block, int nblocks, int* sync, int copy_blocks)
-{
-    __shared__ int header[HEADER_WORDS];
-    __shared__ int run_start[APPLY_STAGED_RUNS];
-    __shared__ int run_voff[APPLY_STAGED_RUNS + 1];
-    if (threadIdx.x < HEADER_WORDS)
-        header[threadIdx.x] = host_snap[threadIdx.x];
-    __syncthreads();
-    const int num_runs = header[H_NUM_RUNS];
-    if (num_runs < 0 || num_runs > APPLY_STAGED_RUNS) {
-        wait_phase(sync, SYNC_COPIED, copy_blocks);
-        apply_deltas(snap, mirror, mirror_size, block, nblocks);
-        return;
-    }
-    const int num_values = header[H_NUM_VALUES];
-    const int* h_start = host_snap + header[H_OFF_RUN_START];
-    const int* h_voff = host_snap + header[H_OFF_RUN_VOFF];
-    const int* values = host_snap + header[H_OFF_VALUES];
-    for (int r = threadIdx.x; r <= num_runs; r += blockDim.x) {
-        run_voff[r] = h_voff[r];
-        if (r < num_runs)
-            run_start[r] = h_start[r];
-    }
-    __syncthreads();
-    for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
-        const int r = find_run(run_voff, num_runs, i);
-        const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
-        if (0 <= cell && cell < mirror_size)
-            mirror[cell] = values[i];
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
@@ -464,7 +425,8 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
             snap[i] = host_snap[i];
         phase_done(sync, SYNC_COPIED);
     } else if (t < copy_blocks + apply_blocks) {
-        apply_deltas_staged(host_snap, snap, mirror, mirror_size, t - copy_blocks, apply_blocks, sync, copy_blocks);
+        wait_phase(sync, SYNC_COPIED, copy_blocks);
+        apply_deltas(snap, mirror, mirror_size, t - copy_blocks, apply_blocks);
         phase_done(sync, SYNC_APPLIED);
     } else {
         const int block = t - copy_blocks - apply_blocks;
