@@ -404,8 +404,8 @@ __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
-            const int* __restrict__ group_scale, const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
-            int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int copy_blocks,
+            const int* __restrict__ group_scale, const int* __restrict__ group_null,
+            const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int copy_blocks,
             int apply_blocks, int table_blocks, int* sync)
 {
     __shared__ int ticket;
