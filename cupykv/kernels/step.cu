@@ -405,8 +405,9 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
             const int* __restrict__ group_scale, const int* __restrict__ group_null,
-            const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared, int copy_blocks,
-            int apply_blocks, int table_blocks, int* sync)
+            const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch,
+            int B, int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks,
+            int* sync)
 {
     __shared__ int ticket;
     if (threadIdx.x == 0)
