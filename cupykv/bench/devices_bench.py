@@ -71,7 +71,10 @@ def run_config(spec: CacheSpec, backend: str, devices: List[int], graphs: bool, 
     cuda = mgr.backend.name == "cuda"
     if cuda:
         import cupy
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in mgr.backends]
+        events = []
+        for be in mgr.backends:       # an event belongs to the device current when it is made
+            with be.device_context():
+                events.append((cupy.cuda.Event(), cupy.cuda.Event()))
     prepare_us, settle_us, device_us = [], [], []
     for i in range(warmup + steps):
         gates = []
