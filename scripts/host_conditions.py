@@ -2,7 +2,9 @@
 
 prepare_batch on the CUDA backend (decode steps whose batch is the previous one's, as scripts/host_calls.py
 times them), and the benchmark floor's host calls (a 4 KB memcpyAsync and one RawKernel launch), under
-conditions taken in turn step by step, so that a change of the machine's speed hits all of them alike:
+conditions taken in turn, in blocks of BLOCK consecutive steps whose first WARM are not counted (so that
+a condition does not inherit the caches the one before left), many blocks each, so that a change of the
+machine's speed hits all of them alike:
 
     plain         nothing holds the stream (what host_calls.py measures)
     gate-spin     the stream held by CudaBackend.gate while the host enqueues (what the benchmark does):
@@ -34,6 +36,7 @@ extern "C" __global__ void sleepy_gate(volatile int* flag, long long max_cycles)
 }
 """
 CONDITIONS = ("plain", "gate-spin", "gate-sleep", "cold-caches")
+BLOCK, WARM = 10, 3
 
 
 class Conditions:
@@ -62,7 +65,7 @@ class Conditions:
             gate.open()
 
 
-def prepare_under_conditions(batch: int, rounds: int = 200, skip: int = 20) -> None:
+def prepare_under_conditions(batch: int, blocks: int = 25) -> None:
     mgr = prefilled_manager(batch, backend="cuda")
     be, stream = mgr.backend, mgr.backend.stream
     cond = Conditions(be)
@@ -70,25 +73,26 @@ def prepare_under_conditions(batch: int, rounds: int = 200, skip: int = 20) -> N
     for graphs in (False, True):
         mgr.use_graphs = graphs
         per = defaultdict(list)
-        for i in range(rounds):
+        for i in range(blocks):
             for name in CONDITIONS:
-                gate = cond.arm(name, stream)
-                t0 = time.perf_counter()
-                s = mgr.prepare_batch((), rids)
-                t1 = time.perf_counter()
-                Conditions.open(gate)
-                s.finish()
-                mgr.settle(s)
-                s.ready.synchronize()
-                if i >= skip:
-                    per[name].append(t1 - t0)
-        print(f"batch {batch}, graphs={graphs}: prepare_batch medians over {rounds - skip} steps per condition")
+                for j in range(BLOCK):
+                    gate = cond.arm(name, stream)
+                    t0 = time.perf_counter()
+                    s = mgr.prepare_batch((), rids)
+                    t1 = time.perf_counter()
+                    Conditions.open(gate)
+                    s.finish()
+                    mgr.settle(s)
+                    s.ready.synchronize()
+                    if i and j >= WARM:
+                        per[name].append(t1 - t0)
+        print(f"batch {batch}, graphs={graphs}: prepare_batch medians over {len(per['plain'])} steps per condition")
         for name in CONDITIONS:
             print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
         be.synchronize()
 
 
-def floor_under_conditions(rounds: int = 300, skip: int = 20) -> None:
+def floor_under_conditions(blocks: int = 30) -> None:
     be = cuda_backend.CudaBackend()
     k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
     dev = cupy.zeros(1024, np.int32)
@@ -98,18 +102,19 @@ def floor_under_conditions(rounds: int = 300, skip: int = 20) -> None:
     rt = cupy.cuda.runtime
     cond = Conditions(be)
     per = defaultdict(list)
-    for i in range(rounds):
+    for i in range(blocks):
         for name in CONDITIONS:
-            gate = cond.arm(name, st)
-            t0 = time.perf_counter()
-            rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
-            k((1,), (32,), (dev,), stream=st)
-            t1 = time.perf_counter()
-            Conditions.open(gate)
-            st.synchronize()
-            if i >= skip:
-                per[name].append(t1 - t0)
-    print(f"floor host calls (memcpyAsync 4 KB + one launch): medians over {rounds - skip} per condition")
+            for j in range(BLOCK):
+                gate = cond.arm(name, st)
+                t0 = time.perf_counter()
+                rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
+                k((1,), (32,), (dev,), stream=st)
+                t1 = time.perf_counter()
+                Conditions.open(gate)
+                st.synchronize()
+                if i and j >= WARM:
+                    per[name].append(t1 - t0)
+    print(f"floor host calls (memcpyAsync 4 KB + one launch): medians over {len(per['plain'])} per condition")
     for name in CONDITIONS:
         print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
 
