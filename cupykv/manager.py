@@ -400,7 +400,7 @@ class KVCacheManager:
         reqs.last_scheduled[rows] = step_id
         ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
-                    owner=self, pad_to=plan.pad_to, moves=reqs.moves)
+                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
@@ -493,7 +493,7 @@ class KVCacheManager:
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
         reported = generation_tokens(new_tokens, step.request_ids, acc, step.num_contexts, step.id)
-        rows, tokens, entries = step.rows.astype(np.int64), step.num_tokens, None
+        rows, tokens, entries = step.index_rows, step.num_tokens, None
         live = range(step.num_contexts)     # the live contexts
         if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
             entries = np.flatnonzero(reqs.incarnation[rows] == step.incarnations)
@@ -519,10 +519,11 @@ class KVCacheManager:
                 lo, hi = g.rewind_blocks(cap, int(rejected[i]))
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
         # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
-        per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
-        per_chunk = [held for held in per_chunk if len(held)]
-        if per_chunk:
-            self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
+        if len(live):
+            per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
+            per_chunk = [held for held in per_chunk if len(held)]
+            if per_chunk:
+                self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
         if self.cache is not None:
             index = np.arange(step.num_seqs) if entries is None else entries
             self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)
