@@ -21,7 +21,6 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 from __future__ import annotations
 
 import struct
-from itertools import accumulate
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -134,9 +133,10 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     header[H_MODE] = mode
     header[H_PAD_TO] = pad_to
     header[H_EPOCH] = epoch & 0x7FFFFFFF
-    offsets = list(accumulate([a.size for a in sections], initial=HEADER_WORDS))   # each section's, then the end
-    pos = offsets.pop()
-    header[_OFFSETS] = offsets
+    pos = HEADER_WORDS
+    for off, a in zip(_SECTION_OFFSETS, sections):
+        header[off] = pos
+        pos += a.size
     # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
     # list assigned to a slice is one, with a conversion per item) costs more than the data.
     _HEADER.pack_into(buf, 0, *header)
@@ -146,11 +146,6 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
 _SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
                     H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS)
-# pack_snapshot writes the section offsets as one slice of the header, so they must be consecutive words
-# in section order (checked here, at import, rather than assumed).
-_OFFSETS = slice(H_OFF_COPY_IDX, H_OFF_COPY_IDX + len(_SECTION_OFFSETS))
-if _SECTION_OFFSETS != tuple(range(HEADER_WORDS)[_OFFSETS]):
-    raise AssertionError("staging: the H_OFF_* header words must be consecutive, in section order")
 _HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
