@@ -67,7 +67,9 @@ class StepLedger:
     def completed_count(self) -> int:
         """How many in-flight steps, from the oldest on, have completed (observes; changes nothing)."""
         k = 0
-        while k < len(self.in_flight) and self.in_flight[k].is_complete():
+        for step in self.in_flight:
+            if not step.is_complete():
+                break
             k += 1
         return k
 

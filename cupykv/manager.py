@@ -36,6 +36,7 @@ from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
+_NO_ROWS = frozen(np.zeros(0, np.int64))     # no entries / no (row, block) pairs (shared, so read-only)
 
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
@@ -89,6 +90,7 @@ class _Plan:
     gen_ids: list
     gen: Optional[GenBatch]
     gen_cap: np.ndarray                # capacity of each generation entry before this step
+    gen_end: np.ndarray                # and after it (gen_cap + k)
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
     k: int
@@ -339,7 +341,7 @@ class KVCacheManager:
             ctx_rows.append(row)
             ctx_tokens.append(n)
         gen = reqs.generation_batch(gen_ids, ctx_rows)
-        gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
+        gen_rows = gen.rows if gen is not None else _NO_ROWS
         cap = reqs.cap[gen_rows]
         end = cap + k
         if len(end) and end.max() > spec.max_seq_len:
@@ -353,7 +355,10 @@ class KVCacheManager:
         # The blocks the generation tokens open: the same in every group (generation is never scratch).
         lo, hi = lay.groups[0].new_blocks(cap, end)
         opened = (hi > lo).nonzero()[0]
-        new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
+        if len(opened):
+            new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
+        else:               # most decode steps open no block: skip the gathers
+            new_rows = new_blocks = _NO_ROWS
         need = [len(new_rows) + chunks.count for chunks in ctx_slots]
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
@@ -369,7 +374,7 @@ class KVCacheManager:
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
-        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap,
+        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap, end,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
 
     def _commit(self, plan: _Plan) -> Step:
@@ -383,6 +388,7 @@ class KVCacheManager:
         if not plan.ctx_rows and gen is not None:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
+            reqs.cap[rows] = plan.gen_end          # = starts + tokens, already computed by the plan
         else:
             gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))
@@ -390,20 +396,21 @@ class KVCacheManager:
             gen_tokens = gen.tokens_for(k) if gen is not None else gen_rows
             tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), gen_tokens))
             starts = reqs.cap[rows]
-        reqs.cap[rows] = starts + tokens
+            reqs.cap[rows] = starts + tokens
         reqs.last_scheduled[rows] = step_id
         ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
-                    owner=self, pad_to=plan.pad_to, moves=reqs.moves)
+                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
         # and after the copy back of any resumed KV.
         after = self.cache.spill_events() if self.cache is not None else []   # evicted blocks copied out first
         loading = set(rows.tolist()) & reqs.loading.keys() if reqs.loading else ()
-        after += [reqs.loading[r] for r in loading]
+        if loading:
+            after += [reqs.loading[r] for r in loading]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
-        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells], after)
+        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells] if len(cells) else _NO_SLOTS, after)
         table.clear_log()
         for r in loading:          # waited for by this step, so by every later one (stream order)
             del reqs.loading[r]
@@ -486,7 +493,7 @@ class KVCacheManager:
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
         reported = generation_tokens(new_tokens, step.request_ids, acc, step.num_contexts, step.id)
-        rows, tokens, entries = step.rows.astype(np.int64), step.num_tokens, None
+        rows, tokens, entries = step.index_rows, step.num_tokens, None
         live = range(step.num_contexts)     # the live contexts
         if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
             entries = np.flatnonzero(reqs.incarnation[rows] == step.incarnations)
@@ -512,10 +519,11 @@ class KVCacheManager:
                 lo, hi = g.rewind_blocks(cap, int(rejected[i]))
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
         # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
-        per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
-        per_chunk = [held for held in per_chunk if len(held)]
-        if per_chunk:
-            self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
+        if len(live):
+            per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
+            per_chunk = [held for held in per_chunk if len(held)]
+            if per_chunk:
+                self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
         if self.cache is not None:
             index = np.arange(step.num_seqs) if entries is None else entries
             self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)

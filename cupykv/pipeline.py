@@ -122,9 +122,10 @@ class StepPipeline:
         prev = self._prev.devices if self._prev is not None else ()
         for view in prev:
             view.backend.wait(view.backend.stream, view.finished)
-        for m in self.mirrors:
-            for event in after:
-                m.backend.wait(m.backend.stream, event)
+        if after:
+            for m in self.mirrors:
+                for event in after:
+                    m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
         self._enqueue(step, slot, cells, values, self._cu_tokens(step.num_tokens), allow_delta)
         self.force_full = False

@@ -20,6 +20,7 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 """
 from __future__ import annotations
 
+import struct
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -119,8 +120,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     cells (any order; a repeated cell must carry the same value each time) and `values` their values.
     """
     run_start, run_voff = runs_from_cells(cells)
-    sections = (copy_idx, begs.reshape(-1), ends.reshape(-1), scratch.reshape(-1), run_start, run_voff, values,
-                cu_tokens, start_pos)
+    sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
+                start_pos)
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
@@ -136,14 +137,16 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     for off, a in zip(_SECTION_OFFSETS, sections):
         header[off] = pos
         pos += a.size
-    # One concatenation straight into the buffer: cheaper than a store per section at decode sizes.
-    buf[:HEADER_WORDS] = header
+    # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
+    # list assigned to a slice is one, with a conversion per item) costs more than the data.
+    _HEADER.pack_into(buf, 0, *header)
     np.concatenate(sections, out=buf[HEADER_WORDS:pos])
     return pos
 
 
 _SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
                     H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS)
+_HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
 def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:

@@ -106,7 +106,7 @@ class Step:
 
     def __init__(self, step_id: int, request_ids: List[Hashable], rows: np.ndarray, incarnations: np.ndarray,
                  tokens: np.ndarray, starts: np.ndarray, num_contexts: int, *, layout, owner: object,
-                 pad_to: int = 0, moves: int = 0):
+                 pad_to: int = 0, moves: int = 0, index_rows: Optional[np.ndarray] = None):
         self.id = step_id
         self.request_ids = request_ids              # batch order, contexts first
         self.rows = rows                            # int32 [num_seqs]: table row of each entry (= copy_idx)
@@ -116,6 +116,8 @@ class Step:
         self.num_contexts = num_contexts
         self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD (or the null page)
         self.moves = moves                          # the request table's move count at prepare (see settle)
+        # int64 [num_seqs]: rows again, as the manager indexes its per-row arrays with them (read only)
+        self.index_rows = index_rows if index_rows is not None else rows.astype(np.int64)
         self.layout = layout                        # cupykv.Layout of the manager
         self.owner = owner                          # identity of the preparing manager (compared, never used)
         self.devices: List[DeviceStep] = []         # per device, in KVCacheManager(devices=...) order (the pipeline's)

@@ -12,6 +12,9 @@ import numpy as np
 
 from .layout import BAD
 
+_NO_CELLS = np.empty(0, np.int64)       # logged() of an empty log (shared, so read-only)
+_NO_CELLS.flags.writeable = False
+
 
 class PageTable:
     """int32 [P, rows, B] in pinned memory (the unsafe staging mode copies from it directly; the snapshot
@@ -73,13 +76,13 @@ class PageTable:
         """Cells written since the last clear_log, in order, with repeats (every copy of a cell carries
         the table's current value, and runs only need adjacent cells: sorting cost more than it saved)."""
         if not self._log:
-            return np.empty(0, np.int64)
+            return _NO_CELLS
         if len(self._log) > 1:
             self._log[:] = [np.concatenate(self._log)]
         return self._log[0]
 
     def num_logged(self) -> int:
-        return sum(map(len, self._log))
+        return sum(map(len, self._log)) if self._log else 0
 
     def clear_log(self) -> None:
         self._log.clear()
