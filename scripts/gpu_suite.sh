@@ -90,12 +90,13 @@ for part in $parts; do
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
-    profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice
+    profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice;
+                  # AB_BATCHES: the batch sizes (default 256)
       for i in 1 2; do
         for tree in . old_tree; do
           [ -d "$tree/cupykv" ] || continue
           echo "== $tree run $i" >>"$OUT/profile_ab.log"
-          (cd "$tree" && PYTHONPATH=. timeout 120 python3 scripts/host_calls.py 256) >>"$OUT/profile_ab.log" 2>&1
+          (cd "$tree" && PYTHONPATH=. timeout 120 python3 scripts/host_calls.py ${AB_BATCHES:-256}) >>"$OUT/profile_ab.log" 2>&1
         done
       done
       cat "$OUT/profile_ab.log" ;;
