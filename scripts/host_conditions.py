@@ -65,30 +65,38 @@ class Conditions:
             gate.open()
 
 
+def under_conditions(cond: Conditions, stream, blocks: int, enqueue, complete, label: str) -> None:
+    """Time enqueue() under each condition (blocks of BLOCK steps, the first WARM of a block not counted);
+    complete(result) runs after the gate is open. Prints the medians."""
+    per = defaultdict(list)
+    for i in range(blocks):
+        for name in CONDITIONS:
+            for j in range(BLOCK):
+                gate = cond.arm(name, stream)
+                t0 = time.perf_counter()
+                res = enqueue()
+                t1 = time.perf_counter()
+                Conditions.open(gate)
+                complete(res)
+                if i and j >= WARM:
+                    per[name].append(t1 - t0)
+    print(f"{label}: medians over {len(per['plain'])} per condition")
+    for name in CONDITIONS:
+        print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
+
+
 def prepare_under_conditions(batch: int, blocks: int = 25) -> None:
     mgr = prefilled_manager(batch, backend="cuda")
-    be, stream = mgr.backend, mgr.backend.stream
-    cond = Conditions(be)
-    rids = list(range(batch))
+    be, rids = mgr.backend, list(range(batch))
+
+    def complete(step):
+        step.finish()
+        mgr.settle(step)
+        step.ready.synchronize()
     for graphs in (False, True):
         mgr.use_graphs = graphs
-        per = defaultdict(list)
-        for i in range(blocks):
-            for name in CONDITIONS:
-                for j in range(BLOCK):
-                    gate = cond.arm(name, stream)
-                    t0 = time.perf_counter()
-                    s = mgr.prepare_batch((), rids)
-                    t1 = time.perf_counter()
-                    Conditions.open(gate)
-                    s.finish()
-                    mgr.settle(s)
-                    s.ready.synchronize()
-                    if i and j >= WARM:
-                        per[name].append(t1 - t0)
-        print(f"batch {batch}, graphs={graphs}: prepare_batch medians over {len(per['plain'])} steps per condition")
-        for name in CONDITIONS:
-            print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
+        under_conditions(Conditions(be), be.stream, blocks, lambda: mgr.prepare_batch((), rids), complete,
+                         f"batch {batch}, graphs={graphs}: prepare_batch")
         be.synchronize()
 
 
@@ -100,23 +108,12 @@ def floor_under_conditions(blocks: int = 30) -> None:
     st = cupy.cuda.Stream(non_blocking=True)
     k((1,), (32,), (dev,), stream=st)
     rt = cupy.cuda.runtime
-    cond = Conditions(be)
-    per = defaultdict(list)
-    for i in range(blocks):
-        for name in CONDITIONS:
-            for j in range(BLOCK):
-                gate = cond.arm(name, st)
-                t0 = time.perf_counter()
-                rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
-                k((1,), (32,), (dev,), stream=st)
-                t1 = time.perf_counter()
-                Conditions.open(gate)
-                st.synchronize()
-                if i and j >= WARM:
-                    per[name].append(t1 - t0)
-    print(f"floor host calls (memcpyAsync 4 KB + one launch): medians over {len(per['plain'])} per condition")
-    for name in CONDITIONS:
-        print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
+
+    def enqueue():
+        rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
+        k((1,), (32,), (dev,), stream=st)
+    under_conditions(Conditions(be), st, blocks, enqueue, lambda _: st.synchronize(),
+                     "floor host calls (memcpyAsync 4 KB + one launch)")
 
 
 if __name__ == "__main__":
