@@ -8,7 +8,9 @@ Builds the benchmark's workload for one (shape, max_seq_len, batch), prefills it
 profiles `steps` decode steps (churn and steady alternate, as in the benchmark). Without ncu it prints the
 median device time per step from CUDA events instead. --shared: a SHARED-table manager of the same
 workload; --graphs: use_graphs=True; --segments: the GPU time of each part of a step, from events between
-the backend calls (the stream held by a gate while the host enqueues).
+the backend calls (the stream held by a gate while the host enqueues); --phases (with --segments, without
+--graphs): the step as the three operations cupykv_step fuses (the snapshot copy, cupykv_apply_deltas,
+cupykv_build_step: the plan the host backend runs, on the CUDA backend), so each gets its own segment.
 """
 import csv
 import sys
@@ -77,6 +79,13 @@ if segments:
     rt = cuda_backend.runtime
     rt.graphLaunch = timed(rt.graphLaunch, "graph replay")
     be.wait = timed(be.wait, "wait")
+    if "--phases" in sys.argv:
+        from cupykv.backends.plan import StepPlan
+        be.step_plan = lambda twin, buffers, shared: StepPlan(be, twin, buffers, shared)
+        for m in mgr.pipeline.mirrors:
+            m._plans.clear()        # made again, as StepPlans, at the next step
+        for name in ("copy_h2d", "apply_deltas", "build_step"):
+            setattr(be, name, timed(getattr(be, name), name))
 seg = {}
 for i in range(steps + 4):
     if i == 4:
