@@ -111,8 +111,9 @@ class KVCacheManager:
     debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
     use_graphs: run each step's device work (snapshot copy, delta apply, tables and write positions; one
         kernel launch on CUDA) as a CUDA graph replay per ring slot, mode and bucket instead.
-    steady_batch_delta: when a decode step has the previous step's batch, row for row, rewrite only the
-        output cells whose table entry changed instead of the batch's whole rows.
+    steady_batch_delta: when a decode step has the previous step's batch size and padding (no contexts in
+        either), rewrite only the output cells whose table entry changed, and whole only the entries whose
+        request is not the previous step's (at most half of them), instead of the batch's whole rows.
     devices: the devices that need the tables (tensor parallelism: every rank reads the same tables),
         e.g. [0, 1]; default: one, the current CUDA device (or the backend object given). One host
         manager makes every decision and packs one snapshot per step; each device copies it into its own
@@ -373,7 +374,8 @@ class KVCacheManager:
             raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
-        words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells)
+        num_seqs = len(ctx_rows) + len(gen_rows)      # a DELTA step rebuilds at most half of its entries
+        words = snapshot_words(num_seqs, len(ctx_rows), lay.num_groups, M, cells, cells, num_seqs // 2)
         return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap, end,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
 

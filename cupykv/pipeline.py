@@ -29,6 +29,8 @@ from .step import DeviceStep, Step, StepOutputs
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
 # step grows its slot (staging.SnapshotRing).
 RING_RUNS, RING_CELLS = 64, 1024
+_NO_ENTRIES = np.empty(0, np.int64)     # a DELTA step that rebuilds no entry (shared, so read-only)
+_NO_ENTRIES.flags.writeable = False
 
 
 class KernelConsts:
@@ -144,11 +146,15 @@ class StepPipeline:
         return self._cu
 
     def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
-        step.mode = MODE_DELTA if allow_delta and self._steady(step) else MODE_FULL
+        rebuilt = self._rebuilt(step) if allow_delta else None
+        step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
-                              pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch)
-        entries, tokens = max(step.num_seqs, step.pad_to), int(cu_tokens[-1])
+                              pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch,
+                              rebuilt=rebuilt)
+        # the entries whose tables the step writes whole: the batch and its padding, or the rebuilt ones
+        entries = max(step.num_seqs, step.pad_to) if rebuilt is None else len(rebuilt)
+        tokens = int(cu_tokens[-1])
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
                               self.mirrors[0].outputs.write_offsets.size) if self.use_graphs else None
@@ -174,13 +180,23 @@ class StepPipeline:
                                 pow2_buckets(GRAPH_MIN_TOKENS, m.outputs.write_offsets.size))
         return captured
 
-    def _steady(self, step: Step) -> bool:
-        """True when the outputs already hold this batch's rows (the previous step's, row for row, no
-        contexts in either, same padding): only changed cells need rewriting."""
+    def _rebuilt(self, step: Step) -> Optional[np.ndarray]:
+        """For a DELTA step, the entries whose row is not the previous step's (their tables are written
+        whole; the other entries get only their changed cells); None: the step must be FULL.
+
+        DELTA needs the outputs to hold the previous step's tables for the same entries: the same batch
+        size and padding, no contexts in either step. An engine that keeps its batch positions (a finished
+        request's entry taken by an arrival) changes a few entries per step; past half of them, FULL is as
+        cheap."""
         prev = self._prev
-        return (self.steady_batch_delta and prev is not None and prev.mode is not None
+        if not (self.steady_batch_delta and prev is not None and prev.mode is not None
                 and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
-                and (prev.rows is step.rows or np.array_equal(prev.rows, step.rows)))
+                and len(prev.rows) == len(step.rows)):
+            return None
+        if prev.rows is step.rows:        # the same validated generation list
+            return _NO_ENTRIES
+        rebuilt = (prev.rows != step.rows).nonzero()[0]
+        return rebuilt if 2 * len(rebuilt) <= len(step.rows) else None
 
     def verify_mirror(self, table) -> None:
         """Debug: wait for each device's manager stream and check its mirror against the host table (a

@@ -17,6 +17,8 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
     values[num_values]
     cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
     start_pos[num_seqs]               sequence position of entry s's first new token
+    rebuilt[num_rebuilt]              DELTA: the entries whose row differs from the previous step's, whose
+                                      tables are written whole (empty in FULL mode)
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
 H_MODE = 16
 H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
 H_EPOCH = 18               # the id of the FULL step whose batch this is (a FULL step's own id)
-HEADER_WORDS = 20          # word 19 is spare, zero
+H_NUM_REBUILT, H_OFF_REBUILT = 19, 20
+HEADER_WORDS = 22          # word 21 is spare, zero
 
-# H_MODE: FULL rewrites the batch's rows of the output; DELTA (same batch as the previous step, row for
-# row, no contexts in either) rewrites only the output cells whose table entry changed.
+# H_MODE: FULL rewrites the batch's rows of the output; DELTA (the previous step's batch size and padding,
+# no contexts in either) rewrites only the output cells whose table entry changed, and whole the entries
+# whose row is not the previous step's (rebuilt).
 MODE_FULL, MODE_DELTA = 0, 1
 
 
@@ -68,9 +72,10 @@ GRAPH_MIN_COPY_WORDS, GRAPH_MIN_TOKENS = 1024, 256
 def graph_buckets(words: int, entries: int, tokens: int, slot_capacity: int, max_batch: int,
                   token_capacity: int) -> tuple:
     """(copy words, batch bucket, token bucket) of the step graph that replays a step: each count rounded up
-    to a power of two, capped at its buffer's size (the kernels read the true counts from the snapshot)."""
+    to a power of two, capped at its buffer's size (the kernels read the true counts from the snapshot).
+    entries: the entries the step writes whole (0, a DELTA step that rebuilds none, stays 0)."""
     return (min(pow2_at_least(max(words, GRAPH_MIN_COPY_WORDS)), slot_capacity),
-            min(pow2_at_least(entries), max_batch),
+            min(pow2_at_least(entries), max_batch) if entries else 0,
             min(pow2_at_least(max(tokens, GRAPH_MIN_TOKENS)), token_capacity))
 
 
@@ -102,26 +107,30 @@ def runs_from_cells(cells: np.ndarray):
 
 
 _NO_RUNS = (np.empty(0, np.int64), np.zeros(1, np.int64))     # read-only use: packed, never written
-for _a in _NO_RUNS:
+_NO_REBUILT = np.empty(0, np.int64)
+for _a in (*_NO_RUNS, _NO_REBUILT):
     _a.flags.writeable = False
 
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
-                   num_runs: int, num_values: int) -> int:
+                   num_runs: int, num_values: int, num_rebuilt: int = 0) -> int:
     return (HEADER_WORDS + num_seqs + 2 * num_groups * num_contexts + num_groups * num_contexts * scratch_width
-            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs)
+            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs + num_rebuilt)
 
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
-                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, epoch: int = 0) -> int:
+                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, epoch: int = 0,
+                  rebuilt=None) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
-    cells (any order; a repeated cell must carry the same value each time) and `values` their values.
+    cells (any order; a repeated cell must carry the same value each time) and `values` their values;
+    rebuilt: DELTA mode's entries to write whole (None: none).
     """
     run_start, run_voff = runs_from_cells(cells)
+    rebuilt = _NO_REBUILT if rebuilt is None else rebuilt
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
-                start_pos)
+                start_pos, rebuilt)
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
@@ -133,6 +142,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     header[H_MODE] = mode
     header[H_PAD_TO] = pad_to
     header[H_EPOCH] = epoch & 0x7FFFFFFF
+    header[H_NUM_REBUILT] = len(rebuilt)
     pos = HEADER_WORDS
     for off, a in zip(_SECTION_OFFSETS, sections):
         header[off] = pos
@@ -145,7 +155,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
 
 _SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
-                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS)
+                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT)
 _HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
@@ -165,7 +175,8 @@ def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
         scratch=sect(H_OFF_SCRATCH, num_groups * c * m, (num_groups, c, m)),
         run_start=sect(H_OFF_RUN_START, r), run_voff=sect(H_OFF_RUN_VOFF, r + 1),
         values=sect(H_OFF_VALUES, int(h[H_NUM_VALUES])),
-        cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n))
+        cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n),
+        rebuilt=sect(H_OFF_REBUILT, int(h[H_NUM_REBUILT])))
 
 
 class SlotTwin:

@@ -19,7 +19,7 @@ import numpy as np
 from cupy.cuda import driver, runtime
 
 from ..kernels import MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of, module_source
-from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, pow2_buckets
+from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
@@ -232,24 +232,29 @@ def device_count() -> int:
     return int(runtime.getDeviceCount())
 
 
+def _whole_entry_threads(planes: int, groups: int, max_blocks: int, entries: int) -> int:
+    """Threads for writing `entries` entries whole: a thread per (group, entry, quad of blocks) writes that
+    quad into all of the group's planes; where that gives fewer than TABLE_FILL_BLOCKS blocks, the grid
+    grows towards a thread per plane quad and the kernel splits each group's layers over the extra threads
+    (it reads the split from the grid)."""
+    quads = entries * (max_blocks // 4)
+    return max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
+
+
 def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
               num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
-    """(table blocks, position blocks) of a build_step launch. None counts size the grid for a graph:
-    entries for max_batch, a fixed DELTA grid, tokens for the capacity. Write positions: a thread per
-    (group, new token).
-
-    FULL tables: a thread per (group, entry, quad of blocks) writes that quad into all of the group's
-    planes; where that gives fewer than TABLE_FILL_BLOCKS blocks, the grid grows towards a thread per plane
-    quad and the kernel splits each group's layers over the extra threads (it reads the split from the grid).
-    """
+    """(table blocks, position blocks) of a build_step launch. num_entries: the entries the step writes
+    whole (FULL: the batch and its padding; DELTA: the rebuilt ones); num_values: changed table cells.
+    None counts size the grid for a graph: entries for max_batch, a fixed DELTA cell grid, tokens for the
+    capacity. Write positions: a thread per (group, new token)."""
     if mode == MODE_DELTA:
-        hint = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
-        table = -(-hint // STEP_THREADS)
+        cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+        rebuilt = max_batch if num_entries is None else min(max(int(num_entries), 0), max_batch)
+        threads = max(cells, _whole_entry_threads(planes, groups, max_blocks, rebuilt) if rebuilt else 0)
     else:
         entries = max_batch if num_entries is None else min(max(int(num_entries), 1), max_batch)
-        quads = entries * (max_blocks // 4)
-        threads = max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
-        table = -(-threads // STEP_THREADS)
+        threads = _whole_entry_threads(planes, groups, max_blocks, entries)
+    table = -(-threads // STEP_THREADS)
     tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
     return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * groups) // STEP_THREADS), POS_MAX_BLOCKS)
 
@@ -363,9 +368,8 @@ class CudaStepPlan(StepPlan):
         return True
 
     def _key(self, mode: int, graph: tuple) -> tuple:
-        copy_words, seqs, tokens = graph
-        # A DELTA graph's grid does not depend on the batch size (step_grid): one serves every batch bucket.
-        return self._graph_key, mode, 0 if mode == MODE_DELTA else seqs, tokens, copy_words
+        copy_words, seqs, tokens = graph      # seqs: the bucket of the entries written whole (step_grid)
+        return self._graph_key, mode, seqs, tokens, copy_words
 
     def _enqueue(self, stream_ptr: int, mode: int, words: int, num_values: Optional[int],
                  num_entries: Optional[int], num_tokens: Optional[int]) -> None:
@@ -686,17 +690,20 @@ class CudaBackend:
         """Capture now every step graph that these plans (one per ring-slot twin) can need, so that
         prepare_batch only replays.
 
-        Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph
-        does not depend on the batch bucket). Copy buckets are the powers of two from min_copy_words, capped
-        at each slot's capacity (pow2_buckets), which is how staging.graph_buckets rounds a step's copy size;
-        pass the batch and token buckets the same way. Call while nothing holds the device, e.g. when the
+        Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph's
+        batch bucket is that of its rebuilt entries: none, or up to half of the largest batch bucket). Copy
+        buckets are the powers of two from min_copy_words, capped at each slot's capacity (pow2_buckets),
+        which is how staging.graph_buckets rounds a step's copy size; pass the batch and token buckets the
+        same way. Call while nothing holds the device, e.g. when the
         manager is made. Graphs already captured are skipped; returns how many were captured now. A slot
         added or grown later captures on first use.
         """
         captured = 0
         for plan in plans:
             for mode in modes:
-                for seqs in ((seqs_buckets[-1],) if int(mode) == MODE_DELTA else seqs_buckets):
+                delta = int(mode) == MODE_DELTA
+                half = pow2_at_least(seqs_buckets[-1] // 2)       # DELTA rebuilds at most half the batch
+                for seqs in ([0] + [b for b in seqs_buckets if b <= half] if delta else seqs_buckets):
                     for tokens in tokens_buckets:
                         for copy_words in pow2_buckets(min_copy_words, plan.capacity):
                             captured += plan.capture(int(mode), (copy_words, seqs, tokens))

@@ -225,7 +225,7 @@ class HostBackend:
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
             if s["mode"] == MODE_DELTA:
-                _delta_tables(s, out, row_entry, consts, shared)
+                _delta_tables(s, mirror, out, row_entry, consts, shared)
             else:
                 _full_tables(s, mirror, out, row_entry, consts, shared)
             _write_positions(s, mirror, pages, offsets, consts, shared)
@@ -275,23 +275,26 @@ def _context_scratch(s: dict, p: int, n: int):
     return beg, end, slots
 
 
-def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
+def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool, entries=None) -> None:
+    """Every cell of the batch's rows (and the padding rows); entries: only these entries' rows (DELTA's
+    rebuilt entries), no padding."""
     max_batch, rows = out.shape[1], mirror.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
     pad = slice(n, max(n, min(s["pad_to"], max_batch)))            # padding rows of a fixed batch: as BAD cells
-    for plane in range(out.shape[0]) if pad.stop > n else ():
+    for plane in range(out.shape[0]) if pad.stop > n and entries is None else ():
         p = plane if shared else int(consts.layer_group[plane])
         off = 0 if shared else int(consts.layer_koff[plane])
         for r in (0, 1):
             out[plane, pad, r] = _table_entries(np.int64(BAD), _group_null(consts, p), int(consts.group_scale[p]),
                                                 off + r)
-    batch_rows = np.clip(s["copy_idx"][:n], 0, rows - 1)
-    row_entry[batch_rows] = np.stack([np.full(n, s["epoch"]), np.arange(n)], axis=1)
-    base = mirror[:, batch_rows, :].astype(np.int64)                 # [P, n, B]
+    idx = np.arange(n) if entries is None else np.clip(np.asarray(entries, np.int64), 0, max(n - 1, 0))[:n]
+    batch_rows = np.clip(s["copy_idx"][idx], 0, rows - 1)
+    row_entry[batch_rows] = np.stack([np.full(len(idx), s["epoch"]), idx], axis=1)
+    base = mirror[:, batch_rows, :].astype(np.int64)                 # [P, len(idx), B]
     if shared:
         scale = consts.group_scale[:, None, None].astype(np.int64)
         for r in (0, 1):
-            out[:, :n, r, :] = _table_entries(base, consts.group_null[:, None, None], scale, r)
+            out[:, idx, r, :] = _table_entries(base, consts.group_null[:, None, None], scale, r)
         return
     blocks = np.arange(base.shape[2])[None, :]
     scratch = [_context_scratch(s, p, n) for p in range(consts.num_groups)]
@@ -299,9 +302,9 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
         p = int(consts.layer_group[layer])
         beg, end, slots = scratch[p]
         for r in (0, 1):
-            out[layer, :n, r, :] = _entries(base[p], blocks, beg[:, None], end[:, None], slots,
-                                            int(consts.group_scale[p]), int(consts.layer_koff[layer]) + r,
-                                            _group_null(consts, p))
+            out[layer, idx, r, :] = _entries(base[p], blocks, beg[idx, None], end[idx, None],
+                                             None if slots is None else slots[idx], int(consts.group_scale[p]),
+                                             int(consts.layer_koff[layer]) + r, _group_null(consts, p))
 
 
 def _delta_cells(s: dict) -> np.ndarray:
@@ -311,16 +314,18 @@ def _delta_cells(s: dict) -> np.ndarray:
             + (np.arange(len(s["values"])) - np.repeat(s["run_voff"][:-1], lengths)))
 
 
-def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
-    """Only the changed cells of rows in the batch of the FULL step named by the header's epoch."""
+def _delta_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
+    """The changed cells of rows that are where row_entry says in this batch (the map written since the
+    FULL step the header's epoch names), then the rebuilt entries whole."""
     B, rows, max_batch = consts.max_blocks, consts.rows, out.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
+    copy_idx = s["copy_idx"]
     for cell, base in zip(_delta_cells(s).tolist(), s["values"].tolist()):
         p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
         if cell < 0 or p >= consts.num_groups:
             continue
         epoch, k = row_entry[row]
-        if epoch != s["epoch"] or not 0 <= k < n:
+        if epoch != s["epoch"] or not 0 <= k < n or copy_idx[k] != row:
             continue
         scale, null = int(consts.group_scale[p]), _group_null(consts, p)
         planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
@@ -328,6 +333,8 @@ def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
         for plane, off in planes:
             for r in (0, 1):
                 out[plane, k, r, b] = _table_entries(np.int64(base), null, scale, off + r)
+    if len(s["rebuilt"]) and n:
+        _full_tables(s, mirror, out, row_entry, consts, shared, entries=s["rebuilt"])
 
 
 def _write_positions(s: dict, mirror, pages, offsets, consts, shared: bool) -> None:

@@ -39,8 +39,9 @@ class StepPlan:
         """Enqueue the step on `stream` and return its ready event (recorded after all of it).
 
         words: snapshot words to copy; num_values: changed table cells (no apply launch when 0);
-        num_entries / num_tokens: the batch's entries (padding included) and new tokens (they size the
-        grids; the kernels read the true counts from the snapshot). graph: run the step as the graph of these
+        num_entries / num_tokens: the entries written whole (FULL: the batch, padding included; DELTA: the
+        rebuilt ones) and the new tokens (they size the grids; the kernels read the true counts from the
+        snapshot). graph: run the step as the graph of these
         buckets does (copy graph[0] words, apply with a fixed grid, size the build for the buckets); the
         CUDA plan replays that graph.
         """

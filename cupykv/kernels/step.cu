@@ -13,7 +13,8 @@
 //
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
 // HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL rewrites the batch's rows; DELTA, the
-// previous step's batch row for row with no contexts, rewrites only the cells whose table entry changed),
+// previous step's batch size with no contexts, rewrites only the cells whose table entry changed and the
+// entries whose row changed),
 // BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
 // cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
 // this file when it loads the module (cuda.module_source("step") is the exact source it compiles).
@@ -150,9 +151,12 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
 // spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so a warp's
 // stores are contiguous (512 bytes where the warp stays in one row): the write pattern of a memset.
 // Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
+// entries: the entries to write (a DELTA step's rebuilt ones; per_group covers that many), or nullptr: the
+// batch's entries and padding rows [0, per_group / (B / 4)).
 // Index is int when the work count fits (64-bit division costs several times more), else long long.
 template <typename Index>
-__device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_group, Index items)
+__device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_group, Index items,
+                            const int* entries)
 {
     const int* snap = a.snap;
     const int quads = a.B / 4;
@@ -169,8 +173,9 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
         const Index i = k - part * items;
         const int p = static_cast<int>(i / per_group);
         const Index q = i - p * per_group;
-        const int s = static_cast<int>(q / quads);
-        const int b0 = static_cast<int>(q - static_cast<Index>(s) * quads) * 4;
+        const int e = static_cast<int>(q / quads);
+        const int b0 = static_cast<int>(q - static_cast<Index>(e) * quads) * 4;
+        const int s = entries ? min(max(entries[e], 0), num_seqs - 1) : e;
         int4 base = make_int4(BAD, BAD, BAD, BAD);   // a padding row: every cell as for a BAD base
         Scratch sc;
         if (s < num_seqs) {
@@ -205,12 +210,15 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     }
 }
 
-// DELTA mode: the batch is the last FULL step's (the header's epoch names it), row for row, and the output
-// already holds its tables, so only the cells whose table entry changed (the snapshot's deltas) are
-// rewritten. One thread per changed cell: its batch entry comes from row_entry, written by that FULL step;
-// cells of rows outside the batch (an entry from another epoch) are skipped; a cell is written into the
-// layers of its group (Layout.group_layers). A few dozen cells per decode step instead of the whole live
-// output.
+// DELTA mode: the batch has the previous step's size and padding and the output holds that step's tables,
+// so only the cells whose table entry changed (the snapshot's deltas) are rewritten, and the entries whose
+// row changed (the rebuilt list) are written whole (full_tables over them, after the apply). One thread per
+// changed cell: its batch entry comes from row_entry, written by the FULL step the header's epoch names or
+// by a DELTA step since that rebuilt the row; a cell whose row is not at that entry of this batch (another
+// epoch, a row that left, an entry rebuilt now) is skipped. A thread rebuilding an entry may write the
+// entry's row_entry while a thread here reads it; then both write the cell the same value. A cell is
+// written into the layers of its group (Layout.group_layers). A few dozen cells per decode step instead
+// of the whole live output.
 __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
     const int* snap = a.snap;
@@ -221,6 +229,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
     const int* run_start = snap + snap[H_OFF_RUN_START];
     const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
     const int* values = snap + snap[H_OFF_VALUES];
+    const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const long long plane_cells = static_cast<long long>(a.rows) * a.B;
 
     for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
@@ -232,7 +241,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
         if (cell < 0 || p >= a.num_groups)
             continue;
         const int2 e = a.row_entry[row];
-        if (e.x != epoch || e.y < 0 || e.y >= num_seqs)
+        if (e.x != epoch || e.y < 0 || e.y >= num_seqs || copy_idx[e.y] != row)
             continue;
         const int s = e.y;
         const int base = values[i];
@@ -319,22 +328,31 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
 
 // Blocks [0, table_blocks) of `nblocks` build the tables (FULL or DELTA, as the header says); the rest write
 // the positions. Both parts read only the mirror and the snapshot, so they need no ordering between them.
+// full_tables over `count` entries (of `entries`, or the first ones), with the narrowest index that fits.
+__device__ void full_tables_of(const StepArgs& a, int block, int nblocks, int count, const int* entries)
+{
+    const long long per_group = static_cast<long long>(count) * (a.B / 4);
+    const long long items = per_group * a.num_groups;
+    // int while the work (items * split <= max(items, threads of the grid)) and a last stride fit
+    if (items <= 0x7FFFFFFFLL - 0x7FFFFFFLL && static_cast<long long>(nblocks) * blockDim.x <= 0x7FFFFFFLL)
+        full_tables<int>(a, block, nblocks, static_cast<int>(per_group), static_cast<int>(items), entries);
+    else
+        full_tables<long long>(a, block, nblocks, per_group, items, entries);
+}
+
 __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_blocks)
 {
     if (block < table_blocks) {
+        const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
         if (a.snap[H_MODE] == MODE_DELTA) {
             delta_tables(a, block, table_blocks);
+            const int rebuilt = min(max(a.snap[H_NUM_REBUILT], 0), num_seqs);
+            if (rebuilt > 0)
+                full_tables_of(a, block, table_blocks, rebuilt, a.snap + a.snap[H_OFF_REBUILT]);
             return;
         }
-        const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
         const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
-        const long long per_group = static_cast<long long>(live) * (a.B / 4);
-        const long long items = per_group * a.num_groups;
-        // int while the work (items * split <= max(items, threads of the grid)) and a last stride fit
-        if (items <= 0x7FFFFFFFLL - 0x7FFFFFFLL && static_cast<long long>(table_blocks) * blockDim.x <= 0x7FFFFFFLL)
-            full_tables<int>(a, block, table_blocks, static_cast<int>(per_group), static_cast<int>(items));
-        else
-            full_tables<long long>(a, block, table_blocks, per_group, items);
+        full_tables_of(a, block, table_blocks, live, nullptr);
     } else {
         const int* cu = a.snap + a.snap[H_OFF_CU_TOKENS];
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
@@ -369,8 +387,8 @@ cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, 
 // in phases inside one grid: copy the snapshot from the pinned ring slot (read over the bus: host memory that
 // the device addresses directly) into its device twin; apply the deltas to the mirror; build the tables and
 // write positions. A phase's blocks wait for the phases it reads from: the apply for the copy; DELTA tables
-// (they read only the snapshot) for the copy; FULL tables and the write positions (they read the mirror)
-// for the apply as well. That saves the GPU two dependent operations per step, and the host two launches.
+// (they read only the snapshot) for the copy; FULL tables, DELTA tables that rebuild entries and the write
+// positions (they read the mirror) for the apply as well. That saves the GPU two dependent operations per step, and the host two launches.
 //
 // Roles go by ticket, not blockIdx: a block takes the next ticket when it starts running, so every block a
 // waiting block waits for holds a smaller ticket and is already resident; none of them waits for a larger
@@ -433,7 +451,7 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
         const int block = t - copy_blocks - apply_blocks;
         const int nblocks = static_cast<int>(gridDim.x) - copy_blocks - apply_blocks;
         wait_phase(sync, SYNC_COPIED, copy_blocks);
-        const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA;
+        const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA || snap[H_NUM_REBUILT] > 0;
         if (reads_mirror)
             wait_phase(sync, SYNC_APPLIED, apply_blocks);
         const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale,
