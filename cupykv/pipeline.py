@@ -10,7 +10,8 @@ Order of one step (everything after the host packing is asynchronous):
             launch, or its graph replay with use_graphs):
                 copy the ring slot to its twin there       (reads the pinned slot, never the live table)
                 apply the deltas to the mirror             (nothing to apply when no table cell changed)
-                build the tables and write positions       (FULL: the batch's rows; DELTA: changed cells)
+                build the tables and write positions       (FULL: the batch's entries; DELTA: the changed
+                                                           cells and the entries not current: entries.py)
             record its `ready` (also the twin's copy event: the slot is reused only after every twin's)
 
 Every device gets the same snapshot, so the same mode and the same tables.
@@ -24,13 +25,12 @@ import numpy as np
 from .layout import BAD, Layout
 from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
                       pow2_buckets, snapshot_words)
+from .entries import EntryMap
 from .step import DeviceStep, Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
 # step grows its slot (staging.SnapshotRing).
 RING_RUNS, RING_CELLS = 64, 1024
-_NO_ENTRIES = np.empty(0, np.int64)     # a DELTA step that rebuilds no entry (shared, so read-only)
-_NO_ENTRIES.flags.writeable = False
 
 
 class KernelConsts:
@@ -55,8 +55,8 @@ class Mirror:
     """One device's side of the pipeline, on its backend: the device mirror of the host table, the output
     buffers and the kernel constants.
 
-    mirror: int32 [P, rows, B]; row_entry: int32 [rows, 2], (epoch, batch entry) of each row in the last
-    FULL step's batch (DELTA steps look their cells up there); outputs: the tables and write positions.
+    mirror: int32 [P, rows, B]; row_entry: int32 [rows], the output entry each row was last written whole
+    at (the changed cells of later steps go there; see entries.py); outputs: the tables and write positions.
     """
 
     def __init__(self, layout: Layout, backend, rank: int):
@@ -66,7 +66,7 @@ class Mirror:
         P, rows, B = layout.num_groups, spec.max_batch, layout.max_blocks
         self.consts = KernelConsts(layout, rows, backend)
         self.mirror = backend.device_full((P, rows, B), BAD, np.int32)
-        self.row_entry = backend.device_full((rows, 2), -1, np.int32)
+        self.row_entry = backend.device_full((rows,), -1, np.int32)
         planes = P if self.shared else layout.num_layers
         self.outputs = out = StepOutputs(backend.device_full((planes, rows, 2, B), BAD, np.int32),
                                          backend.device_full((layout.num_layers, spec.step_token_capacity), BAD,
@@ -98,9 +98,9 @@ class StepPipeline:
         self.shared = spec.table_mode == "shared"
         self.mirrors = [Mirror(layout, be, rank) for rank, be in enumerate(self.backends)]
         P, rows = layout.num_groups, spec.max_batch
-        self.ring = SnapshotRing(self.backends, snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS), ring_slots,
-                                 max_ring_slots, timeout_s)
-        self.epoch = 0               # id of the last FULL step: DELTA steps find their batch entries through it
+        words = snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS, rows // 2, rows)
+        self.ring = SnapshotRing(self.backends, words, ring_slots, max_ring_slots, timeout_s)
+        self.entries = EntryMap(rows, rows)     # which output entry holds which row (its one owner)
         self.force_full = False      # a launch failed part-way: the outputs may hold anything
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
@@ -146,12 +146,11 @@ class StepPipeline:
         return self._cu
 
     def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
-        rebuilt = self._rebuilt(step) if allow_delta else None
+        rebuilt, held = self._entries(step, allow_delta)
         step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
-                              pad_to=step.pad_to, epoch=step.id if step.mode == MODE_FULL else self.epoch,
-                              rebuilt=rebuilt)
+                              pad_to=step.pad_to, rebuilt=rebuilt, held=held)
         # the entries whose tables the step writes whole: the batch and its padding, or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to) if rebuilt is None else len(rebuilt)
         tokens = int(cu_tokens[-1])
@@ -164,8 +163,6 @@ class StepPipeline:
             view.ready = twin.copied = m.plan(twin).run(m.backend.stream, step.mode, words, len(cells),
                                                                      entries, tokens, graph)
         self.h2d_bytes_last_step = (graph[0] if graph else words) * 4 * len(self.mirrors)
-        if step.mode == MODE_FULL:
-            self.epoch = step.id
 
     def capture_graphs(self) -> int:
         """Capture now every step graph the ring slots can need on every device (CUDA backend with
@@ -180,23 +177,17 @@ class StepPipeline:
                                 pow2_buckets(GRAPH_MIN_TOKENS, m.outputs.write_offsets.size))
         return captured
 
-    def _rebuilt(self, step: Step) -> Optional[np.ndarray]:
-        """For a DELTA step, the entries whose row is not the previous step's (their tables are written
-        whole; the other entries get only their changed cells); None: the step must be FULL.
-
-        DELTA needs the outputs to hold the previous step's tables for the same entries: the same batch
-        size and padding, no contexts in either step. An engine that keeps its batch positions (a finished
-        request's entry taken by an arrival) changes a few entries per step; past half of them, FULL is as
-        cheap."""
-        prev = self._prev
-        if not (self.steady_batch_delta and prev is not None and prev.mode is not None
-                and step.num_contexts == 0 and prev.num_contexts == 0 and prev.pad_to == step.pad_to
-                and len(prev.rows) == len(step.rows)):
-            return None
-        if prev.rows is step.rows:        # the same validated generation list
-            return _NO_ENTRIES
-        rebuilt = (prev.rows != step.rows).nonzero()[0]
-        return rebuilt if 2 * len(rebuilt) <= len(step.rows) else None
+    def _entries(self, step: Step, allow_delta: bool):
+        """(rebuilt, held) of the step from the entry map (EntryMap.advance): rebuilt None means FULL.
+        allow_delta False (a launch failed part-way before) forgets what the outputs hold."""
+        prev, entries = self._prev, self.entries
+        if not allow_delta:
+            entries.forget()
+        delta = allow_delta and self.steady_batch_delta
+        if (delta and prev is not None and prev.rows is step.rows and prev.mode is not None
+                and prev.num_contexts == 0 and prev.pad_to == step.pad_to):
+            return entries.unchanged(step.rows, step.pad_to)     # the same validated generation list
+        return entries.advance(step.rows, step.num_contexts, step.pad_to, delta)
 
     def verify_mirror(self, table) -> None:
         """Debug: wait for each device's manager stream and check its mirror against the host table (a
@@ -235,7 +226,7 @@ class UnsafeStaging(StepPipeline):
         tmp = self.backend.pinned_temp(words)
         empty = np.empty(0, np.int64)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
-                              empty, empty, cu_tokens, step.start_positions, epoch=step.id)
+                              empty, empty, cu_tokens, step.start_positions)
         for m, view in zip(self.mirrors, step.devices):
             be, st, out = m.backend, m.backend.stream, m.outputs
             if self._dev[m.rank] is None or len(self._dev[m.rank]) < words:

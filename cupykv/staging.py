@@ -17,8 +17,16 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
     values[num_values]
     cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
     start_pos[num_seqs]               sequence position of entry s's first new token
-    rebuilt[num_rebuilt]              DELTA: the entries whose row differs from the previous step's, whose
-                                      tables are written whole (empty in FULL mode)
+    rebuilt[num_rebuilt]              DELTA: the entries whose tables are written whole (the others get
+                                      only their changed cells); empty in FULL mode (every entry is)
+    held[num_held]                    the table row whose tables the output keeps, after this step, at each
+                                      entry [live, live + num_held) past the batch (live = max(num_seqs,
+                                      pad_to)), or -1: the changed cells of those rows are written there too
+
+Which entry holds which row: row_entry[row] (device) is the entry the step that last wrote the row whole
+put it at; a changed cell of `row` goes to entry e = row_entry[row] when this step's batch has the row
+there (e < live: copy_idx[e] == row, not a context) or held[e - live] == row. The host keeps the same map
+(pipeline.StepPipeline) and decides from it which entries a DELTA step rebuilds.
 """
 from __future__ import annotations
 
@@ -35,13 +43,11 @@ H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RU
 H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
 H_MODE = 16
 H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
-H_EPOCH = 18               # the id of the FULL step whose batch this is (a FULL step's own id)
-H_NUM_REBUILT, H_OFF_REBUILT = 19, 20
-HEADER_WORDS = 22          # word 21 is spare, zero
+H_NUM_HELD, H_NUM_REBUILT, H_OFF_REBUILT, H_OFF_HELD = 18, 19, 20, 21
+HEADER_WORDS = 22
 
-# H_MODE: FULL rewrites the batch's rows of the output; DELTA (the previous step's batch size and padding,
-# no contexts in either) rewrites only the output cells whose table entry changed, and whole the entries
-# whose row is not the previous step's (rebuilt).
+# H_MODE: FULL rewrites the batch's entries of the output whole; DELTA (no contexts) rewrites whole only the
+# rebuilt entries, and the changed cells of the others.
 MODE_FULL, MODE_DELTA = 0, 1
 
 
@@ -107,30 +113,32 @@ def runs_from_cells(cells: np.ndarray):
 
 
 _NO_RUNS = (np.empty(0, np.int64), np.zeros(1, np.int64))     # read-only use: packed, never written
-_NO_REBUILT = np.empty(0, np.int64)
-for _a in (*_NO_RUNS, _NO_REBUILT):
+_NO_ENTRIES = np.empty(0, np.int64)
+for _a in (*_NO_RUNS, _NO_ENTRIES):
     _a.flags.writeable = False
 
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
-                   num_runs: int, num_values: int, num_rebuilt: int = 0) -> int:
+                   num_runs: int, num_values: int, num_rebuilt: int = 0, num_held: int = 0) -> int:
     return (HEADER_WORDS + num_seqs + 2 * num_groups * num_contexts + num_groups * num_contexts * scratch_width
-            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs + num_rebuilt)
+            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs + num_rebuilt + num_held)
 
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
-                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, epoch: int = 0,
-                  rebuilt=None) -> int:
+                  cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, rebuilt=None,
+                  held=None) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values;
-    rebuilt: DELTA mode's entries to write whole (None: none).
+    rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
+    none).
     """
     run_start, run_voff = runs_from_cells(cells)
-    rebuilt = _NO_REBUILT if rebuilt is None else rebuilt
+    rebuilt = _NO_ENTRIES if rebuilt is None else rebuilt
+    held = _NO_ENTRIES if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
-                start_pos, rebuilt)
+                start_pos, rebuilt, held)
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
@@ -141,8 +149,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     header[H_NUM_TOKENS] = int(cu_tokens[-1]) if len(cu_tokens) else 0
     header[H_MODE] = mode
     header[H_PAD_TO] = pad_to
-    header[H_EPOCH] = epoch & 0x7FFFFFFF
     header[H_NUM_REBUILT] = len(rebuilt)
+    header[H_NUM_HELD] = len(held)
     pos = HEADER_WORDS
     for off, a in zip(_SECTION_OFFSETS, sections):
         header[off] = pos
@@ -155,7 +163,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
 
 _SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
-                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT)
+                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
 _HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
@@ -169,14 +177,15 @@ def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
         return a.reshape(shape) if shape else a
 
     return dict(
-        step=int(h[H_STEP]), mode=int(h[H_MODE]), epoch=int(h[H_EPOCH]), pad_to=int(h[H_PAD_TO]), num_seqs=n, num_contexts=c, scratch_width=m, num_tokens=int(h[H_NUM_TOKENS]),
+        step=int(h[H_STEP]), mode=int(h[H_MODE]), pad_to=int(h[H_PAD_TO]), num_seqs=n, num_contexts=c,
+        scratch_width=m, num_tokens=int(h[H_NUM_TOKENS]),
         copy_idx=sect(H_OFF_COPY_IDX, n), begs=sect(H_OFF_BEGS, num_groups * c, (num_groups, c)),
         ends=sect(H_OFF_ENDS, num_groups * c, (num_groups, c)),
         scratch=sect(H_OFF_SCRATCH, num_groups * c * m, (num_groups, c, m)),
         run_start=sect(H_OFF_RUN_START, r), run_voff=sect(H_OFF_RUN_VOFF, r + 1),
         values=sect(H_OFF_VALUES, int(h[H_NUM_VALUES])),
         cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n),
-        rebuilt=sect(H_OFF_REBUILT, int(h[H_NUM_REBUILT])))
+        rebuilt=sect(H_OFF_REBUILT, int(h[H_NUM_REBUILT])), held=sect(H_OFF_HELD, int(h[H_NUM_HELD])))
 
 
 class SlotTwin:

@@ -148,17 +148,30 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
                            null_slots=null_slots)
 
 
-def pack(case, num_groups: int, mode: int = MODE_FULL, epoch: int = 42, deltas: bool = True) -> np.ndarray:
-    """The case as one snapshot (with `deltas`: the new table's values of the changed cells)."""
+def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebuilt=(), held=()) -> np.ndarray:
+    """The case as one snapshot (with `deltas`: the new table's values of the changed cells; rebuilt: a
+    DELTA step's entries written whole; held: the rows kept past the batch)."""
     cells = case.cells if deltas else np.empty(0, np.int64)
     values = case.new.reshape(-1)[cells]
     run_start, _ = runs_from_cells(cells)
+    rebuilt, held = np.asarray(rebuilt, np.int64), np.asarray(held, np.int64)
     words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
-                           len(values))
+                           len(values), len(rebuilt), len(held))
     snap = np.full(words + 7, -7, np.int32)              # slack past the end must not matter
     assert pack_snapshot(snap, 7, case.copy_idx, case.begs, case.ends, case.scratch, cells, values,
-                         case.cu_tokens, case.start_pos, mode=mode, pad_to=case.pad_to, epoch=epoch) == words
+                         case.cu_tokens, case.start_pos, mode=mode, pad_to=case.pad_to, rebuilt=rebuilt,
+                         held=held) == words
     return snap
+
+
+def with_batch(case, copy_idx, pad_to: int = 0):
+    """The case with another generation batch (no contexts): its rows, tokens and positions per entry."""
+    n = len(copy_idx)
+    return SimpleNamespace(**{**vars(case), "copy_idx": np.asarray(copy_idx, np.int32), "num_seqs": n,
+                              "num_contexts": 0, "begs": case.begs[:, :0], "ends": case.ends[:, :0],
+                              "scratch": case.scratch[:, :0], "cu_tokens": case.cu_tokens[:n + 1],
+                              "start_pos": case.start_pos[:n], "num_tokens": int(case.cu_tokens[n]),
+                              "pad_to": pad_to})
 
 
 def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndarray:
@@ -198,7 +211,7 @@ class StepBuffers:
         self.consts = make_consts(layout, backend, self.null_slots)
         self.mirror = backend.upload(table)
         self.out = backend.device_full((P if shared else L, N, 2, B), SENTINEL)
-        self.row_entry = backend.device_full((N, 2), -1)
+        self.row_entry = backend.device_full((N,), -1)
         self.pages = backend.device_full((L, capacity), SENTINEL)
         self.offsets = backend.device_full(capacity, SENTINEL)
 
@@ -273,22 +286,62 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
             assert np.array_equal(backend.to_numpy(bufs.mirror), case.new)
             bufs.check(case, case.new, f"{backend.name} FULL shared={shared}")
             entry = backend.to_numpy(bufs.row_entry)
-            assert (entry[case.copy_idx] == np.stack([np.full(case.num_seqs, 42), np.arange(case.num_seqs)], 1)).all()
+            assert (entry[case.copy_idx] == np.arange(case.num_seqs)).all()
             if case.num_contexts:
                 continue
-            # DELTA: the output holds the old table's FULL tables (epoch 42); the deltas bring it to the new one.
+            # DELTA: the output holds the old table's FULL tables; the deltas bring it to the new one.
             bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
             bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
             bufs.check(case, case.old, f"{backend.name} FULL (before DELTA) shared={shared}")
             bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
             bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
-            # A DELTA step of another epoch does not find its rows in the map and writes no table cell.
-            if len(case.cells):
+            # A DELTA step whose batch has every row at another entry writes no changed cell (the rows are
+            # not where row_entry says), when the host rebuilds nothing.
+            if len(case.cells) and case.num_seqs > 1:
                 bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
                 bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
                 before = backend.to_numpy(bufs.out)
-                bufs.run(pack(case, P, mode=MODE_DELTA, epoch=43), MODE_DELTA, hint_fn(case), path)
-                assert np.array_equal(backend.to_numpy(bufs.out), before), "a DELTA step of another epoch wrote"
+                moved = SimpleNamespace(**{**vars(case), "copy_idx": np.roll(case.copy_idx, 1)})
+                bufs.run(pack(moved, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
+                assert np.array_equal(backend.to_numpy(bufs.out), before), "a cell went to an entry its row left"
+            check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_fn, path)
+
+
+def check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_fn, path):
+    """Entries written whole in a DELTA step, and entries held past the batch, against the reference.
+
+    FULL of the old table with the case's batch A; then, with the deltas to the new table, a FULL step of
+    a shorter batch A[:m] that keeps A[m:] past it (held): those entries must get their rows' changed
+    cells; then a DELTA step of a batch like A with some entries taken by other rows (rebuilt) and
+    the rest where they were: the whole output must be the new table's tables of that batch."""
+    P, rows, n = layout.num_groups, layout.spec.max_batch, case.num_seqs
+    m = n // 2
+    # a changed cell in every row that will be held past the short batch, so that holding shows
+    new = case.new.copy()
+    held_cells = [np.ravel_multi_index((j % P, int(r), j % new.shape[2]), new.shape)
+                  for j, r in enumerate(case.copy_idx[m:])]
+    new.reshape(-1)[held_cells] = (new.reshape(-1)[held_cells] + 1) % NUM_SLOTS
+    case = SimpleNamespace(**{**vars(case), "new": new,
+                              "cells": np.union1d(case.cells, np.array(held_cells, np.int64)).astype(np.int64)})
+    a = with_batch(case, case.copy_idx)
+    spare = np.setdiff1d(np.arange(rows), a.copy_idx)            # rows not in A take some of its entries
+    bufs = StepBuffers(backend, layout, a, case.old, shared, capacity, null)
+    bufs.run(pack(a, P, deltas=False), MODE_FULL, hint_fn(a), path)
+    short = with_batch(case, a.copy_idx[:m])
+    bufs.run(pack(short, P, held=a.copy_idx[m:]), MODE_FULL, hint_fn(short), path)
+    want = reference_tables(layout.spec, case.new, a.copy_idx, 0, a.begs, a.ends, a.scratch, shared=shared,
+                            null_slots=bufs.null_slots)
+    assert_same(backend.to_numpy(bufs.out)[:, m:n], want[:, m:n], f"{backend.name} held entries", a)
+    b = a.copy_idx.copy()
+    swap = [e for e in range(n) if e % 3 == 1][:max(1, n // 4)]
+    b[swap[:len(spare)]] = spare[:len(swap)]
+    if len(swap) > 1:
+        b[swap[0]], b[swap[-1]] = b[swap[-1]], b[swap[0]]
+    moved = with_batch(case, b)
+    rebuilt = np.flatnonzero(b != a.copy_idx)
+    later = SimpleNamespace(**{**vars(moved), "cells": np.empty(0, np.int64)})
+    bufs.run(pack(later, P, mode=MODE_DELTA, rebuilt=rebuilt), MODE_DELTA, hint_fn(later), path)
+    bufs.check(moved, case.new, f"{backend.name} DELTA with {len(rebuilt)} rebuilt entries shared={shared}")
 
 
 # -- host backend (runs everywhere) -------------------------------------------------------------------

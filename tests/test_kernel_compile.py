@@ -136,7 +136,7 @@ def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     B, L = lay.max_blocks, lay.num_layers
     _, fixed = cuda.CudaBackend._step_launch_args(
         np.zeros(64, np.int32), np.zeros((lay.num_groups, 3, B), np.int32), np.zeros((L, 3, 2, B), np.int32),
-        np.zeros((3, 2), np.int32), np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+        np.zeros(3, np.int32), np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
     args = fixed + (np.int32(1),)                       # build_step appends the table block count
     passed = ["u64" if isinstance(a, np.ndarray) else "u32" if isinstance(a, np.int32) else type(a).__name__
               for a in args]
@@ -167,7 +167,7 @@ def test_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     B, L = lay.max_blocks, lay.num_layers
     mirror = np.zeros((lay.num_groups, 3, B), np.int32)
     _, fixed = cuda.CudaBackend._step_launch_args(
-        np.zeros(64, np.int32), mirror, np.zeros((L, 3, 2, B), np.int32), np.zeros((3, 2), np.int32),
+        np.zeros(64, np.int32), mirror, np.zeros((L, 3, 2, B), np.int32), np.zeros(3, np.int32),
         np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
     sync = np.zeros(4, np.int32)
     args = cuda._fused_launch_args(ctypes.c_uint64(0), fixed, np.int64(mirror.size), sync)

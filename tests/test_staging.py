@@ -137,6 +137,109 @@ def test_steady_batch_rewrites_only_changed_cells(backend_name):
     assert modes[0] == MODE_FULL and modes[10] == MODE_FULL and modes[11] == MODE_FULL
 
 
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_kept_batch_positions_rewrite_only_the_entries_that_changed(backend_name, pad_to):
+    """An engine that keeps batch positions: a finished request's entry is taken by an arrival, prefilled
+    in a step of its own first (contexts only), or the batch shrinks at its end. The decode step after
+    such a prefill is DELTA (it rebuilds the entries whose row changed; the others, held past the prefill's
+    short batch, got their changed cells meanwhile), and every step's tables equal the reference."""
+    spec = cupykv.CacheSpec(windows=[32, None, 32], num_kv_heads=1, head_dim=8, tokens_per_block=8,
+                            max_seq_len=2048, max_batch=8, slots_per_group=2048)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    cap = Capture(mgr)
+    rng = np.random.default_rng(5)
+    decode = list(range(6))
+    for r in decode:
+        mgr.add(r, 60 + 9 * r)
+    s = mgr.prepare_batch({r: 60 + 9 * r for r in decode}, pad_to=pad_to)
+    cap.consume(s)
+    mgr.settle(s)
+    after_prefill, next_id = [], 6
+    for i in range(40):
+        if i % 4 == 1:            # an arrival takes a finished request's entry
+            p = int(rng.integers(len(decode)))
+            mgr.free(decode[p])
+            mgr.add(next_id, 30 + i)
+            s = mgr.prepare_batch({next_id: 30 + i})        # padding rows here would overwrite the held ones
+            cap.consume(s)
+            mgr.settle(s)
+            decode[p], next_id = next_id, next_id + 1
+        if i == 30:               # the last request finishes and nobody takes its entry
+            mgr.free(decode.pop())
+        s = mgr.prepare_batch((), decode, pad_to=pad_to)
+        cap.consume(s)
+        mgr.settle(s)
+        if i % 4 == 1:
+            after_prefill.append(s.mode)
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert after_prefill == [MODE_DELTA] * len(after_prefill)
+
+
+def test_a_row_that_moves_leaves_its_old_entry(backend_name):
+    """[A, B, C, D], then [A, B] (C and D held past the batch), then D at entry 0 for a while (its tables
+    written whole there, and its new blocks go there), then [A, B, C, D] again: entry 3 must be written
+    again, not taken as still holding D."""
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=8, tokens_per_block=8,
+                            max_seq_len=1024, max_batch=6, slots_per_group=4096)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    cap = Capture(mgr)
+    for r in "ABCD":
+        mgr.add(r, 20)
+    for batch in [{r: 20 for r in "ABCD"}, ["A", "B", "C", "D"], ["A", "B"]] + [["D", "A"]] * 12 + [list("ABCD")]:
+        s = mgr.prepare_batch(batch) if isinstance(batch, dict) else mgr.prepare_batch((), batch)
+        cap.consume(s)
+        mgr.settle(s)
+    mgr.synchronize()
+    assert cap.mismatches() == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batch_edits_keep_every_table_right(backend_name, seed):
+    """Random edits of the batch from step to step (entries taken by other requests, two entries swapped,
+    the batch cut or grown at its end, a context chunk in front, padding on and off), prefills and frees
+    in between: every step's tables equal the reference, whichever entries the map lets a step keep."""
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=8, tokens_per_block=8,
+                            max_seq_len=1024, max_batch=10, slots_per_group=4096)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    cap = Capture(mgr)
+    rng = np.random.default_rng(seed)
+    ready, fresh, next_id, modes = [], [], 0, []
+    for i in range(60):
+        while len(ready) + len(fresh) < 9:        # requests to draw from: prefilled ones and new ones
+            mgr.add(next_id, int(rng.integers(8, 90)))
+            fresh.append(next_id)
+            next_id += 1
+        batch = list(ready[:8])
+        edit = rng.integers(5)
+        if edit == 0 and len(batch) > 1:
+            a, b = rng.choice(len(batch), 2, replace=False)
+            batch[a], batch[b] = batch[b], batch[a]
+        elif edit == 1 and batch:
+            batch.pop()
+        elif edit == 2 and len(batch) > 2:
+            batch = batch[:int(rng.integers(1, len(batch)))]
+        contexts = {}
+        if fresh and (rng.random() < 0.4 or not batch):
+            rid = fresh.pop(0)
+            contexts[rid] = mgr.request(rid).prompt_len
+        pad = int(rng.integers(len(contexts) + len(batch), 11)) if rng.random() < 0.3 else None
+        s = mgr.prepare_batch(contexts, batch, pad_to=pad)
+        cap.consume(s)
+        mgr.settle(s)
+        modes.append(s.mode)
+        ready += list(contexts)
+        if ready and rng.random() < 0.25:         # a request finishes; an arrival may take its entry
+            gone = ready.pop(int(rng.integers(len(ready))))
+            mgr.free(gone)
+        if len(ready) > 2 and rng.random() < 0.3:
+            j = int(rng.integers(len(ready)))
+            ready.insert(int(rng.integers(len(ready))), ready.pop(j))
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert MODE_DELTA in modes and MODE_FULL in modes
+
+
 def test_padding_rows_read_bad(backend_name):
     mgr = make(backend_name)
     for r in range(5):

@@ -247,13 +247,13 @@ def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacit
     whole (FULL: the batch and its padding; DELTA: the rebuilt ones); num_values: changed table cells.
     None counts size the grid for a graph: entries for max_batch, a fixed DELTA cell grid, tokens for the
     capacity. Write positions: a thread per (group, new token)."""
+    cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
     if mode == MODE_DELTA:
-        cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
         rebuilt = max_batch if num_entries is None else min(max(int(num_entries), 0), max_batch)
         threads = max(cells, _whole_entry_threads(planes, groups, max_blocks, rebuilt) if rebuilt else 0)
-    else:
+    else:       # the changed cells of entries held past the batch are written too
         entries = max_batch if num_entries is None else min(max(int(num_entries), 1), max_batch)
-        threads = _whole_entry_threads(planes, groups, max_blocks, entries)
+        threads = max(cells, _whole_entry_threads(planes, groups, max_blocks, entries))
     table = -(-threads // STEP_THREADS)
     tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
     return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * groups) // STEP_THREADS), POS_MAX_BLOCKS)
@@ -623,10 +623,11 @@ class CudaBackend:
         """The step's tables and write positions, in one launch after apply_deltas (see cupykv_build_step).
 
         out: PER_LAYER [L, max_batch, 2, B] or SHARED [P, max_batch, 2, B]; FULL mode rewrites rows
-        [0, num_seqs) and writes the padding rows [num_seqs, pad_to) as BAD cells, DELTA mode only the
-        changed cells (the header decides). A BAD cell holds BAD, or the null slot's page where
+        [0, num_seqs) and writes the padding rows [num_seqs, pad_to) as BAD cells, DELTA mode the rebuilt
+        entries and the changed cells of the others (the header decides; both modes also write the changed
+        cells of rows held past the batch). A BAD cell holds BAD, or the null slot's page where
         consts.d_group_null names one for the group (write positions keep BAD either way). row_entry
-        [rows, 2]: which batch entry each row of the last FULL step's batch was. pages [L, capacity] /
+        int32 [rows]: the entry each row was last written whole at. pages [L, capacity] /
         offsets [capacity]: where each new token's K/V goes. mode and the counts only size the grid; the
         kernel reads the truth from the snapshot, so a stale hint costs time, never correctness.
         num_tokens=None sizes the positions for the capacity.
@@ -650,7 +651,7 @@ class CudaBackend:
         _require_device(snap, "snap")
         _require_device(mirror, "mirror", align=16)
         _require_device(out, "out", align=16)
-        _require_device(row_entry, "row_entry", align=8)
+        _require_device(row_entry, "row_entry")
         _require_device(pages, "pages")
         _require_device(offsets, "offsets")
         _require_device(consts.d_group_null, "consts.d_group_null")
@@ -664,8 +665,8 @@ class CudaBackend:
         planes = consts.num_groups if shared else consts.num_layers
         if out.shape != (planes, max_batch, 2, B):
             raise ValueError(f"build_step: out has shape {out.shape}, expected {(planes, max_batch, 2, B)}")
-        if row_entry.shape != (consts.rows, 2):
-            raise ValueError(f"build_step: row_entry has shape {row_entry.shape}, expected {(consts.rows, 2)}")
+        if row_entry.shape != (consts.rows,):
+            raise ValueError(f"build_step: row_entry has shape {row_entry.shape}, expected {(consts.rows,)}")
         if pages.ndim != 2 or pages.shape[0] != consts.num_layers or offsets.shape != (pages.shape[1],):
             raise ValueError(f"build_step: pages {pages.shape} / offsets {offsets.shape} must be "
                              f"[{consts.num_layers}, capacity] / [capacity]")

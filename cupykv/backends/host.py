@@ -224,10 +224,14 @@ class HostBackend:
         apply_deltas. mode and the counts are grid hints on the GPU and are ignored here."""
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
+            # The entries written whole first, then the changed cells: on the GPU they run side by side, and
+            # this order is the one in which a cell written to an entry it should skip would show.
             if s["mode"] == MODE_DELTA:
-                _delta_tables(s, mirror, out, row_entry, consts, shared)
+                if len(s["rebuilt"]):
+                    _full_tables(s, mirror, out, row_entry, consts, shared, entries=s["rebuilt"])
             else:
                 _full_tables(s, mirror, out, row_entry, consts, shared)
+            _delta_tables(s, out, row_entry, consts, shared)
             _write_positions(s, mirror, pages, offsets, consts, shared)
         stream.enqueue(run)
 
@@ -276,20 +280,24 @@ def _context_scratch(s: dict, p: int, n: int):
 
 
 def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool, entries=None) -> None:
-    """Every cell of the batch's rows (and the padding rows); entries: only these entries' rows (DELTA's
-    rebuilt entries), no padding."""
+    """Every cell of the batch's entries and padding rows [num_seqs, pad_to); entries: only these (a DELTA
+    step's rebuilt entries, padding rows among them)."""
     max_batch, rows = out.shape[1], mirror.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
-    pad = slice(n, max(n, min(s["pad_to"], max_batch)))            # padding rows of a fixed batch: as BAD cells
-    for plane in range(out.shape[0]) if pad.stop > n and entries is None else ():
+    live = max(n, min(s["pad_to"], max_batch))
+    if not live:
+        return
+    idx = np.arange(live) if entries is None else np.clip(np.asarray(entries, np.int64), 0, live - 1)
+    pad = idx[idx >= n]                                              # padding rows of a fixed batch: as BAD cells
+    for plane in range(out.shape[0]) if len(pad) else ():
         p = plane if shared else int(consts.layer_group[plane])
         off = 0 if shared else int(consts.layer_koff[plane])
         for r in (0, 1):
             out[plane, pad, r] = _table_entries(np.int64(BAD), _group_null(consts, p), int(consts.group_scale[p]),
                                                 off + r)
-    idx = np.arange(n) if entries is None else np.clip(np.asarray(entries, np.int64), 0, max(n - 1, 0))[:n]
+    idx = idx[idx < n]
     batch_rows = np.clip(s["copy_idx"][idx], 0, rows - 1)
-    row_entry[batch_rows] = np.stack([np.full(len(idx), s["epoch"]), idx], axis=1)
+    row_entry[batch_rows] = idx
     base = mirror[:, batch_rows, :].astype(np.int64)                 # [P, len(idx), B]
     if shared:
         scale = consts.group_scale[:, None, None].astype(np.int64)
@@ -308,24 +316,33 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool, entries=
 
 
 def _delta_cells(s: dict) -> np.ndarray:
-    """The flat table cell of each delta value (run r covers values [run_voff[r], run_voff[r + 1]))."""
-    lengths = np.diff(s["run_voff"])
-    return (np.repeat(s["run_start"].astype(np.int64), lengths)
-            + (np.arange(len(s["values"])) - np.repeat(s["run_voff"][:-1], lengths)))
+    """The flat table cell of each delta value (run r covers values [run_voff[r], run_voff[r + 1])), the
+    run found as the kernel's find_run does, so that a corrupt snapshot (unsafe staging) gives garbage
+    cells, not an error; no runs: no cells."""
+    start, voff, values = s["run_start"], s["run_voff"], s["values"]
+    r = min(len(start), len(voff) - 1)
+    if r <= 0:
+        return np.zeros(len(values), np.int64) - 1          # outside every buffer: skipped
+    i = np.arange(len(values))
+    run = np.clip(np.searchsorted(voff[1:r], i, side="right"), 0, r - 1)
+    return start[run].astype(np.int64) + (i - voff[run])
 
 
-def _delta_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None:
-    """The changed cells of rows that are where row_entry says in this batch (the map written since the
-    FULL step the header's epoch names), then the rebuilt entries whole."""
+def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
+    """The changed cells of the entries not written whole that hold their row: a generation entry of a
+    DELTA batch, or an entry past the batch that the held section names (see staging's layout)."""
     B, rows, max_batch = consts.max_blocks, consts.rows, out.shape[1]
     n = max(0, min(s["num_seqs"], max_batch))
-    copy_idx = s["copy_idx"]
+    live = max(n, min(s["pad_to"], max_batch))
+    copy_idx, held, full = s["copy_idx"], s["held"][:max_batch - live], s["mode"] != MODE_DELTA
     for cell, base in zip(_delta_cells(s).tolist(), s["values"].tolist()):
         p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
         if cell < 0 or p >= consts.num_groups:
             continue
-        epoch, k = row_entry[row]
-        if epoch != s["epoch"] or not 0 <= k < n or copy_idx[k] != row:
+        k = int(row_entry[row])
+        here = (not full and s["num_contexts"] <= k < n and copy_idx[k] == row if k < live
+                else k - live < len(held) and held[k - live] == row)
+        if k < 0 or not here:
             continue
         scale, null = int(consts.group_scale[p]), _group_null(consts, p)
         planes = [(p, 0)] if shared else [(l, int(consts.layer_koff[l])) for l in range(consts.num_layers)
@@ -333,8 +350,6 @@ def _delta_tables(s: dict, mirror, out, row_entry, consts, shared: bool) -> None
         for plane, off in planes:
             for r in (0, 1):
                 out[plane, k, r, b] = _table_entries(np.int64(base), null, scale, off + r)
-    if len(s["rebuilt"]) and n:
-        _full_tables(s, mirror, out, row_entry, consts, shared, entries=s["rebuilt"])
 
 
 def _write_positions(s: dict, mirror, pages, offsets, consts, shared: bool) -> None:

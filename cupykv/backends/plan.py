@@ -21,7 +21,7 @@ class StepPlan:
     """One device's step launches for one ring-slot twin (staging.SlotTwin) and one mirror's buffers.
 
     buffers: (mirror int32 [P, rows, B], tables int32 PER_LAYER [L, rows, 2, B] or SHARED [P, rows, 2, B],
-    row_entry int32 [rows, 2], write_pages int32 [L, capacity], write_offsets int32 [capacity], consts),
+    row_entry int32 [rows], write_pages int32 [L, capacity], write_offsets int32 [capacity], consts),
     as pipeline.Mirror.buffers holds them. Valid while `twin.dev` and `twin.host` are the buffers it was
     made with (fits()); a ring slot that grows needs a new plan.
     """

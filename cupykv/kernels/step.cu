@@ -12,9 +12,8 @@
 // is the oracle and cupykv/backends/host.py holds NumPy emulations of the same kernels.
 //
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
-// HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL rewrites the batch's rows; DELTA, the
-// previous step's batch size with no contexts, rewrites only the cells whose table entry changed and the
-// entries whose row changed),
+// HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA, a
+// step without contexts, writes whole only the entries the host lists and the changed cells of the others),
 // BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
 // cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
 // this file when it loads the module (cuda.module_source("step") is the exact source it compiles).
@@ -104,7 +103,7 @@ struct StepArgs {
     const int* snap;
     const int* mirror;        // [P, rows, B], deltas already applied
     int* out;                 // [planes, max_batch, 2, B]; planes = L (PER_LAYER) or P (shared)
-    int2* row_entry;          // [rows]: (epoch, batch entry) of each row in the last FULL step's batch
+    int* row_entry;           // [rows]: the entry at which each row's tables were last written whole
     int* pages;               // [L, capacity]
     int* offsets;             // [capacity]
     const int* layer_koff;
@@ -150,9 +149,9 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
 // per plane quad), each group's layers are split over `split` threads per item, so a batch of one still
 // spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so a warp's
 // stores are contiguous (512 bytes where the warp stays in one row): the write pattern of a memset.
-// Also records, for the DELTA steps that may follow, which batch entry each row of this batch is.
-// entries: the entries to write (a DELTA step's rebuilt ones; per_group covers that many), or nullptr: the
-// batch's entries and padding rows [0, per_group / (B / 4)).
+// Also records in row_entry, for the changed cells of later steps, the entry each row was written at.
+// entries: the entries to write (a DELTA step's rebuilt ones, padding rows among them; per_group covers
+// that many), or nullptr: the batch's entries and padding rows [0, per_group / (B / 4)).
 // Index is int when the work count fits (64-bit division costs several times more), else long long.
 template <typename Index>
 __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_group, Index items,
@@ -161,7 +160,7 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     const int* snap = a.snap;
     const int quads = a.B / 4;
     const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
-    const int epoch = snap[H_EPOCH];
+    const int live = max(num_seqs, min(snap[H_PAD_TO], a.max_batch));
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
     const int split = a.shared ? 1 : static_cast<int>(max(Index(1), min(stride / max(items, Index(1)),
@@ -175,13 +174,13 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
         const Index q = i - p * per_group;
         const int e = static_cast<int>(q / quads);
         const int b0 = static_cast<int>(q - static_cast<Index>(e) * quads) * 4;
-        const int s = entries ? min(max(entries[e], 0), num_seqs - 1) : e;
+        const int s = entries ? min(max(entries[e], 0), live - 1) : e;
         int4 base = make_int4(BAD, BAD, BAD, BAD);   // a padding row: every cell as for a BAD base
         Scratch sc;
         if (s < num_seqs) {
             const int row = clamp_row(copy_idx[s], a.rows);
             if (p == 0 && b0 == 0 && part == 0)
-                a.row_entry[row] = make_int2(epoch, s);
+                a.row_entry[row] = s;
             base = *reinterpret_cast<const int4*>(a.mirror + (static_cast<long long>(p) * a.rows + row) * a.B + b0);
             if (!a.shared)
                 sc = scratch_of(snap, p, s);
@@ -210,22 +209,26 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     }
 }
 
-// DELTA mode: the batch has the previous step's size and padding and the output holds that step's tables,
-// so only the cells whose table entry changed (the snapshot's deltas) are rewritten, and the entries whose
-// row changed (the rebuilt list) are written whole (full_tables over them, after the apply). One thread per
-// changed cell: its batch entry comes from row_entry, written by the FULL step the header's epoch names or
-// by a DELTA step since that rebuilt the row; a cell whose row is not at that entry of this batch (another
-// epoch, a row that left, an entry rebuilt now) is skipped. A thread rebuilding an entry may write the
-// entry's row_entry while a thread here reads it; then both write the cell the same value. A cell is
-// written into the layers of its group (Layout.group_layers). A few dozen cells per decode step instead
-// of the whole live output.
+// The changed cells (the snapshot's deltas) of the entries this step does not write whole: in DELTA mode
+// the batch's entries but the rebuilt ones, and in both modes the entries past the batch that keep a row's
+// tables (the held section), so that a later step finds them current. One thread per changed cell: the
+// cell's row was last written whole at entry e = row_entry[row]; the cell goes there if this step has the
+// row at e (a generation entry of the batch, or held past it), and is skipped otherwise (the row left e,
+// or e is a context). A thread writing an entry whole may change row_entry[row] while a thread here reads
+// it; either value leads to a skip or to the entry being written whole, with the same value for the cell.
+// A cell is written into the layers of its group (Layout.group_layers). A few dozen cells per decode step
+// instead of the whole live output.
 __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
     const int* snap = a.snap;
     const int num_runs = snap[H_NUM_RUNS];
     const int num_values = snap[H_NUM_VALUES];
     const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
-    const int epoch = snap[H_EPOCH];
+    const int num_contexts = snap[H_NUM_CONTEXTS];
+    const int live = max(num_seqs, min(snap[H_PAD_TO], a.max_batch));
+    const bool full = snap[H_MODE] != MODE_DELTA;     // every entry of the batch is written whole
+    const int num_held = min(max(snap[H_NUM_HELD], 0), a.max_batch - live);
+    const int* held = snap + snap[H_OFF_HELD];
     const int* run_start = snap + snap[H_OFF_RUN_START];
     const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
     const int* values = snap + snap[H_OFF_VALUES];
@@ -240,10 +243,11 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
         const int b = static_cast<int>(cell % a.B);
         if (cell < 0 || p >= a.num_groups)
             continue;
-        const int2 e = a.row_entry[row];
-        if (e.x != epoch || e.y < 0 || e.y >= num_seqs || copy_idx[e.y] != row)
+        const int s = a.row_entry[row];
+        const bool here = s < live ? !full && s >= num_contexts && s < num_seqs && copy_idx[s] == row
+                                   : s - live < num_held && held[s - live] == row;
+        if (s < 0 || !here)
             continue;
-        const int s = e.y;
         const int base = values[i];
         const int scale = a.group_scale[p];
         const int null = a.group_null[p];
@@ -344,15 +348,15 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
 {
     if (block < table_blocks) {
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
+        const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
+        delta_tables(a, block, table_blocks);
         if (a.snap[H_MODE] == MODE_DELTA) {
-            delta_tables(a, block, table_blocks);
-            const int rebuilt = min(max(a.snap[H_NUM_REBUILT], 0), num_seqs);
+            const int rebuilt = min(max(a.snap[H_NUM_REBUILT], 0), live);
             if (rebuilt > 0)
                 full_tables_of(a, block, table_blocks, rebuilt, a.snap + a.snap[H_OFF_REBUILT]);
-            return;
+        } else {
+            full_tables_of(a, block, table_blocks, live, nullptr);
         }
-        const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
-        full_tables_of(a, block, table_blocks, live, nullptr);
     } else {
         const int* cu = a.snap + a.snap[H_OFF_CU_TOKENS];
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
@@ -370,7 +374,7 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
 // and reads its counts from the header, so any grid is correct; the host sizes it for the step.
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, int* __restrict__ out,
-                  int2* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
+                  int* __restrict__ row_entry, int* __restrict__ pages, int* __restrict__ offsets,
                   const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
                   const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
                   int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
@@ -388,7 +392,8 @@ cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, 
 // the device addresses directly) into its device twin; apply the deltas to the mirror; build the tables and
 // write positions. A phase's blocks wait for the phases it reads from: the apply for the copy; DELTA tables
 // (they read only the snapshot) for the copy; FULL tables, DELTA tables that rebuild entries and the write
-// positions (they read the mirror) for the apply as well. That saves the GPU two dependent operations per step, and the host two launches.
+// positions (they read the mirror) for the apply as well. That saves the GPU two dependent operations per
+// step, and the host two launches.
 //
 // Roles go by ticket, not blockIdx: a block takes the next ticket when it starts running, so every block a
 // waiting block waits for holds a smaller ticket and is already resident; none of them waits for a larger
@@ -421,7 +426,7 @@ __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
-            int2* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
+            int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
             const int* __restrict__ group_scale, const int* __restrict__ group_null,
             const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch,
             int B, int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks,

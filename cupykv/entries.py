@@ -1,0 +1,78 @@
+"""Which output entry holds which table row: the host's model of what the step kernels keep.
+
+The output tables have an entry (a batch position) per row of the largest batch. A step writes some
+entries whole (FULL: all of its batch; DELTA: the ones this map says are not current) and, at every other
+entry that holds a row's generation tables, that row's changed cells, so such an entry stays current from
+step to step, inside the batch or past it. The kernels find a cell's entry through row_entry (device,
+[rows]: where each row was last written whole) and check it against the step's batch and the snapshot's
+held section (staging.py); this map is the same information on the host, and it decides which entries a
+DELTA step rebuilds.
+
+It is owned by the pipeline, updated once per launched step (advance), and forgotten (its one
+invalidation point) when a launch fails part-way and the outputs may hold anything.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+NONE = -1        # the entry holds nothing the next step can use (a context's tables, or unknown)
+PADDING = -2     # a padding row of a fixed-size batch, written BAD
+
+_NO_ENTRIES = np.empty(0, np.int64)     # a DELTA step that rebuilds nothing (shared, so read-only)
+_NO_ENTRIES.flags.writeable = False
+
+
+class EntryMap:
+    """holder[e]: the row whose generation tables the output holds at entry e, current as of the last
+    launched step, or NONE / PADDING; entry_of[row]: the entry the row was last written whole at (the
+    device's row_entry). Entries from held_end on hold nothing."""
+
+    def __init__(self, max_batch: int, rows: int):
+        self.holder = np.full(max_batch, NONE, np.int64)
+        self.entry_of = np.full(rows, -1, np.int64)
+        self.held_end = 0
+
+    def forget(self) -> None:
+        """Nothing the outputs hold is known any more (a launch failed part-way)."""
+        self.holder[:] = NONE
+        self.entry_of[:] = -1
+        self.held_end = 0
+
+    def advance(self, rows: np.ndarray, num_contexts: int, pad_to: int, delta: bool
+                ) -> Tuple[Optional[np.ndarray], np.ndarray]:
+        """Record a step of batch `rows` (int32 [num_seqs], contexts first) and padding rows up to pad_to.
+
+        delta: the step may be DELTA. Returns (rebuilt, held): the entries a DELTA step writes whole, or None
+        for a FULL step (contexts, or rebuilding more than half of the entries costs as much as FULL); and
+        the rows held past the batch after the step (the snapshot's held section, a view of holder).
+        Invariant relied on: holder[e] == row only if entry_of[row] == e (a row written whole elsewhere
+        leaves its old entry, below)."""
+        n = len(rows)
+        live = max(n, pad_to)
+        holder, entry_of = self.holder, self.entry_of
+        want = np.full(live, PADDING, np.int64)
+        want[:n] = rows
+        want[:num_contexts] = NONE
+        rebuilt = None
+        if delta and num_contexts == 0:
+            rebuilt = (holder[:live] != want).nonzero()[0]
+            if 2 * len(rebuilt) > live:
+                rebuilt = None
+        # Rows of this batch held past it (an entry they were written at before) leave those entries: the
+        # kernels write a row whole here and move its row_entry, so its cells stop going there.
+        old = entry_of[rows]
+        past = old >= live
+        if past.any():
+            moved = old[past]
+            holder[moved[holder[moved] == rows[past]]] = NONE
+        holder[:live] = want
+        entry_of[rows] = np.arange(n)
+        self.held_end = max(self.held_end, live)
+        return rebuilt, holder[live:self.held_end]
+
+    def unchanged(self, rows: np.ndarray, pad_to: int) -> Tuple[np.ndarray, np.ndarray]:
+        """advance() for a DELTA step whose batch is the previous step's very list (no contexts, the same
+        padding): nothing to rebuild, nothing moves."""
+        return _NO_ENTRIES, self.holder[max(len(rows), pad_to):self.held_end]
