@@ -1100,6 +1100,9 @@ class Capture:
         if self.write_positions:
             bufs += [be.device_empty(out.write_pages.size).reshape(out.write_pages.shape),
                      be.device_empty(out.write_offsets.size).reshape(out.write_offsets.shape)]
+        # They are zeroed on the manager stream, after the step's ready event: the copies into them on the
+        # consumer stream must come after that zeroing, not just after the step.
+        be.wait(self.stream, be.record(be.stream))
         return bufs
 
     def reserve(self, count: int) -> "Capture":

@@ -288,7 +288,8 @@ def test_a_kernel_module_loaded_behind_the_gate_blocks_prepare():
 
 def test_graphs_captured_up_front_leave_prepare_nothing_to_capture():
     """capture_step_graphs covers every graph the pipeline asks for: the gated burst and a workload of
-    shrinking batches, steady (DELTA) and FULL steps capture nothing more, and every table is right."""
+    shrinking batches, steady (DELTA), DELTA steps that write entries whole, and FULL steps capture
+    nothing more, and every table is right."""
     backend_or_skip("cuda")
     mgr = make(use_graphs=True)
     captured = capture_up_front(mgr)
@@ -297,7 +298,12 @@ def test_graphs_captured_up_front_leave_prepare_nothing_to_capture():
     check_burst(gated_burst(mgr), new_graphs=0)
     cap, live, modes = Capture(mgr), list(PROMPTS), set()
     for i in range(24):
-        step = mgr.prepare_batch((), live)
+        batch = list(live)
+        if i % 8 == 2 and len(batch) > 1:     # two entries change: DELTA, both written whole
+            batch[0], batch[1] = batch[1], batch[0]
+        if i % 8 == 5:                        # every entry changes: FULL
+            batch = batch[::-1]
+        step = mgr.prepare_batch((), batch)
         modes.add(step.mode)
         cap.consume(step)
         cap.stream.synchronize()          # every ring slot free again: no slot grows or gets added

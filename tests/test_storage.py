@@ -178,7 +178,7 @@ def test_step_kernel_survives_corrupt_snapshot():
             dsnap = cupy.concatenate([dsnap, cupy.zeros(64, np.int32)])   # a too-large num_seqs stays inside
             mirror = cupy.asarray(rng.integers(-1, 50, (lay.num_groups, spec.max_batch, lay.max_blocks)).astype(np.int32))
             out = cupy.zeros((lay.num_layers, spec.max_batch, 2, lay.max_blocks), np.int32)
-            row_entry = cupy.full((spec.max_batch, 2), -1, np.int32)
+            row_entry = cupy.full(spec.max_batch, -1, np.int32)
             dp = cupy.zeros((lay.num_layers, 64), np.int32)
             do = cupy.zeros(64, np.int32)
         cuda.build_step(cuda.stream, dsnap, mirror, out, row_entry, dp, do, cc, False, MODE_FULL)
