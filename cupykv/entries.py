@@ -33,6 +33,7 @@ class EntryMap:
         self.holder = np.full(max_batch, NONE, np.int64)
         self.entry_of = np.full(rows, -1, np.int64)
         self.held_end = 0
+        self._order = np.arange(max_batch, dtype=np.int64)       # entry numbers, read only
 
     def forget(self) -> None:
         """Nothing the outputs hold is known any more (a launch failed part-way)."""
@@ -52,9 +53,11 @@ class EntryMap:
         n = len(rows)
         live = max(n, pad_to)
         holder, entry_of = self.holder, self.entry_of
-        want = np.full(live, PADDING, np.int64)
-        want[:n] = rows
-        want[:num_contexts] = NONE
+        want = rows                               # what holder[:live] becomes
+        if live > n or num_contexts:
+            want = np.full(live, PADDING, np.int64)
+            want[:n] = rows
+            want[:num_contexts] = NONE
         rebuilt = None
         if delta and num_contexts == 0:
             rebuilt = (holder[:live] != want).nonzero()[0]
@@ -63,12 +66,12 @@ class EntryMap:
         # Rows of this batch held past it (an entry they were written at before) leave those entries: the
         # kernels write a row whole here and move its row_entry, so its cells stop going there.
         old = entry_of[rows]
-        past = old >= live
-        if past.any():
+        past = (old >= live).nonzero()[0]
+        if len(past):
             moved = old[past]
             holder[moved[holder[moved] == rows[past]]] = NONE
         holder[:live] = want
-        entry_of[rows] = np.arange(n)
+        entry_of[rows] = self._order[:n]
         self.held_end = max(self.held_end, live)
         return rebuilt, holder[live:self.held_end]
 
