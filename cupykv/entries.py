@@ -45,8 +45,9 @@ class EntryMap:
                 ) -> Tuple[Optional[np.ndarray], np.ndarray]:
         """Record a step of batch `rows` (int32 [num_seqs], contexts first) and padding rows up to pad_to.
 
-        delta: the step may be DELTA. Returns (rebuilt, held): the entries a DELTA step writes whole, or None
-        for a FULL step (contexts, or rebuilding more than half of the entries costs as much as FULL); and
+        delta: the step may be DELTA. Returns (rebuilt, held): the entries a DELTA step writes whole (its
+        contexts always), or None for a FULL step (rebuilding more than half of the entries costs as much
+        as FULL); and
         the rows held past the batch after the step (the snapshot's held section, a view of holder).
         Invariant relied on: holder[e] == row only if entry_of[row] == e (a row written whole elsewhere
         leaves its old entry, below)."""
@@ -59,8 +60,10 @@ class EntryMap:
             want[:n] = rows
             want[:num_contexts] = NONE
         rebuilt = None
-        if delta and num_contexts == 0:
+        if delta:
             rebuilt = (holder[:live] != want).nonzero()[0]
+            if num_contexts:        # a context's tables change with every chunk (its blocks, its scratch)
+                rebuilt = np.concatenate((self._order[:num_contexts], rebuilt[rebuilt >= num_contexts]))
             if 2 * len(rebuilt) > live:
                 rebuilt = None
         # Rows of this batch held past it (an entry they were written at before) leave those entries: the

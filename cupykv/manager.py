@@ -111,9 +111,9 @@ class KVCacheManager:
     debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
     use_graphs: run each step's device work (snapshot copy, delta apply, tables and write positions; one
         kernel launch on CUDA) as a CUDA graph replay per ring slot, mode and bucket instead.
-    steady_batch_delta: when a decode step has the previous step's batch size and padding (no contexts in
-        either), rewrite only the output cells whose table entry changed, and whole only the entries whose
-        request is not the previous step's (at most half of them), instead of the batch's whole rows.
+    steady_batch_delta: rewrite whole only the output entries whose request is not the one they hold, and
+        the context chunks, and only the changed cells of the others, while that is at most half of the
+        step's entries (cupykv/entries.py), instead of every entry of the batch.
     devices: the devices that need the tables (tensor parallelism: every rank reads the same tables),
         e.g. [0, 1]; default: one, the current CUDA device (or the backend object given). One host
         manager makes every decision and packs one snapshot per step; each device copies it into its own

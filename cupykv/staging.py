@@ -46,8 +46,8 @@ H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written B
 H_NUM_HELD, H_NUM_REBUILT, H_OFF_REBUILT, H_OFF_HELD = 18, 19, 20, 21
 HEADER_WORDS = 22
 
-# H_MODE: FULL rewrites the batch's entries of the output whole; DELTA (no contexts) rewrites whole only the
-# rebuilt entries, and the changed cells of the others.
+# H_MODE: FULL rewrites the batch's entries of the output whole; DELTA rewrites whole only the rebuilt
+# entries (its contexts among them), and the changed cells of the others.
 MODE_FULL, MODE_DELTA = 0, 1
 
 

@@ -288,6 +288,13 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
             entry = backend.to_numpy(bufs.row_entry)
             assert (entry[case.copy_idx] == np.arange(case.num_seqs)).all()
             if case.num_contexts:
+                # DELTA with contexts: the chunks written whole (their scratch blocks), the generation
+                # entries their changed cells.
+                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
+                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
+                bufs.run(pack(case, P, mode=MODE_DELTA, rebuilt=np.arange(case.num_contexts)), MODE_DELTA,
+                         hint_fn(case), path)
+                bufs.check(case, case.new, f"{backend.name} DELTA with contexts shared={shared}")
                 continue
             # DELTA: the output holds the old table's FULL tables; the deltas bring it to the new one.
             bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)

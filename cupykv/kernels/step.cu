@@ -13,7 +13,7 @@
 //
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
 // HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA, a
-// step without contexts, writes whole only the entries the host lists and the changed cells of the others),
+// writes whole only the entries the host lists, contexts among them, and the changed cells of the others),
 // BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
 // cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
 // this file when it loads the module (cuda.module_source("step") is the exact source it compiles).
