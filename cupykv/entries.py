@@ -17,11 +17,11 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .staging import NO_ENTRIES
+
 NONE = -1        # the entry holds nothing the next step can use (a context's tables, or unknown)
 PADDING = -2     # a padding row of a fixed-size batch, written BAD
 
-_NO_ENTRIES = np.empty(0, np.int64)     # a DELTA step that rebuilds nothing (shared, so read-only)
-_NO_ENTRIES.flags.writeable = False
 
 
 class EntryMap:
@@ -81,4 +81,4 @@ class EntryMap:
     def unchanged(self, rows: np.ndarray, pad_to: int) -> Tuple[np.ndarray, np.ndarray]:
         """advance() for a DELTA step whose batch is the previous step's very list (no contexts, the same
         padding): nothing to rebuild, nothing moves."""
-        return _NO_ENTRIES, self.holder[max(len(rows), pad_to):self.held_end]
+        return NO_ENTRIES, self.holder[max(len(rows), pad_to):self.held_end]

@@ -151,8 +151,9 @@ class StepPipeline:
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, rebuilt=rebuilt, held=held)
-        # the entries whose tables the step writes whole: the batch and its padding, or the rebuilt ones
-        entries = max(step.num_seqs, step.pad_to) if rebuilt is None else len(rebuilt)
+        # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
+        # bucket cover one at least), or the rebuilt ones
+        entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
         tokens = int(cu_tokens[-1])
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,

@@ -21,7 +21,8 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
                                       only their changed cells); empty in FULL mode (every entry is)
     held[num_held]                    the table row whose tables the output keeps, after this step, at each
                                       entry [live, live + num_held) past the batch (live = max(num_seqs,
-                                      pad_to)), or -1: the changed cells of those rows are written there too
+                                      pad_to)), or a negative value for none (entries.NONE, PADDING): the
+                                      changed cells of those rows are written there too
 
 Which entry holds which row: row_entry[row] (device) is the entry the step that last wrote the row whole
 put it at; a changed cell of `row` goes to entry e = row_entry[row] when this step's batch has the row
@@ -113,8 +114,8 @@ def runs_from_cells(cells: np.ndarray):
 
 
 _NO_RUNS = (np.empty(0, np.int64), np.zeros(1, np.int64))     # read-only use: packed, never written
-_NO_ENTRIES = np.empty(0, np.int64)
-for _a in (*_NO_RUNS, _NO_ENTRIES):
+NO_ENTRIES = np.empty(0, np.int64)       # no rebuilt entries, no held rows
+for _a in (*_NO_RUNS, NO_ENTRIES):
     _a.flags.writeable = False
 
 
@@ -135,8 +136,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     none).
     """
     run_start, run_voff = runs_from_cells(cells)
-    rebuilt = _NO_ENTRIES if rebuilt is None else rebuilt
-    held = _NO_ENTRIES if held is None else held
+    rebuilt = NO_ENTRIES if rebuilt is None else rebuilt
+    held = NO_ENTRIES if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
                 start_pos, rebuilt, held)
     header = [0] * HEADER_WORDS

@@ -12,7 +12,7 @@
 // is the oracle and cupykv/backends/host.py holds NumPy emulations of the same kernels.
 //
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
-// HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA, a
+// HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA
 // writes whole only the entries the host lists, contexts among them, and the changed cells of the others),
 // BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
 // cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
@@ -330,8 +330,6 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
     }
 }
 
-// Blocks [0, table_blocks) of `nblocks` build the tables (FULL or DELTA, as the header says); the rest write
-// the positions. Both parts read only the mirror and the snapshot, so they need no ordering between them.
 // full_tables over `count` entries (of `entries`, or the first ones), with the narrowest index that fits.
 __device__ void full_tables_of(const StepArgs& a, int block, int nblocks, int count, const int* entries)
 {
@@ -344,6 +342,8 @@ __device__ void full_tables_of(const StepArgs& a, int block, int nblocks, int co
         full_tables<long long>(a, block, nblocks, per_group, items, entries);
 }
 
+// Blocks [0, table_blocks) of `nblocks` build the tables (FULL or DELTA, as the header says); the rest write
+// the positions. Both parts read only the mirror and the snapshot, so they need no ordering between them.
 __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_blocks)
 {
     if (block < table_blocks) {
