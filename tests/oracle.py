@@ -179,14 +179,17 @@ def null_slots(mgr) -> Optional[Tuple[int, ...]]:
     return tuple(int(n) - 1 for n in counts)
 
 
-def expected_tables(mgr, table_at_prepare: np.ndarray, step, *, null_slot: Optional[bool] = None) -> np.ndarray:
+def expected_tables(mgr, table_at_prepare: np.ndarray, step, *, null_slot: Optional[bool] = None,
+                    padded: bool = False) -> np.ndarray:
     """The reference tables of `step`'s rows [planes, num_seqs, 2, B], from the host table as it was at
     the step's prepare. null_slot: BAD cells hold the null slot's page (default: the spec's null_slot);
-    False gives the plain tables (BAD), which the write positions follow either way."""
+    False gives the plain tables (BAD), which the write positions follow either way. padded: the padding
+    rows [num_seqs, pad_to) too, [planes, max(num_seqs, pad_to), 2, B]."""
     use_null = mgr.spec.null_slot if null_slot is None else null_slot
+    live = max(step.num_seqs, step.pad_to) if padded else step.num_seqs
     return reference_tables(mgr.spec, table_at_prepare, step.rows, step.num_contexts, step.scratch_begs,
-                            step.scratch_ends, step.scratch_slots,
-                            null_slots=null_slots(mgr) if use_null else None)[:, :step.num_seqs]
+                            step.scratch_ends, step.scratch_slots, null_slots=null_slots(mgr) if use_null else None,
+                            pad_to=step.pad_to if padded else 0)[:, :live]
 
 
 def expected_write_positions(spec, tables: np.ndarray, num_tokens, start_positions,
@@ -1132,8 +1135,9 @@ class Capture:
         geo = Geometry(self.mgr.spec)
         for step, table, buf, *extra in self.items:
             to_np = self.backend.to_numpy
-            want = expected_tables(self.mgr, table, step)
-            ok = np.array_equal(to_np(buf)[:, :step.num_seqs], want)
+            want = expected_tables(self.mgr, table, step, padded=True)     # padding rows read BAD too
+            ok = np.array_equal(to_np(buf)[:, :want.shape[1]], want)
+            want = want[:, :step.num_seqs]
             if ok and extra:
                 pages, offsets, refs = extra
                 T = step.total_tokens
