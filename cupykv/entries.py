@@ -23,7 +23,6 @@ NONE = -1        # the entry holds nothing the next step can use (a context's ta
 PADDING = -2     # a padding row of a fixed-size batch, written BAD
 
 
-
 class EntryMap:
     """holder[e]: the row whose generation tables the output holds at entry e, current as of the last
     launched step, or NONE / PADDING; entry_of[row]: the entry the row was last written whole at (the
@@ -47,8 +46,8 @@ class EntryMap:
 
         delta: the step may be DELTA. Returns (rebuilt, held): the entries a DELTA step writes whole (its
         contexts always), or None for a FULL step (rebuilding more than half of the entries costs as much
-        as FULL); and
-        the rows held past the batch after the step (the snapshot's held section, a view of holder).
+        as FULL); and the rows held past the batch after the step (the snapshot's held section, a view of
+        holder).
         Invariant relied on: holder[e] == row only if entry_of[row] == e (a row written whole elsewhere
         leaves its old entry, below)."""
         n = len(rows)
