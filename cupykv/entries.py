@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .staging import NO_ENTRIES
+from .layout import NO_INDEX
 
 NONE = -1        # the entry holds nothing the next step can use (a context's tables, or unknown)
 PADDING = -2     # a padding row of a fixed-size batch, written BAD
@@ -80,4 +80,4 @@ class EntryMap:
     def unchanged(self, rows: np.ndarray, pad_to: int) -> Tuple[np.ndarray, np.ndarray]:
         """advance() for a DELTA step whose batch is the previous step's very list (no contexts, the same
         padding): nothing to rebuild, nothing moves."""
-        return NO_ENTRIES, self.holder[max(len(rows), pad_to):self.held_end]
+        return NO_INDEX, self.holder[max(len(rows), pad_to):self.held_end]

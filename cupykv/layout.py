@@ -14,6 +14,10 @@ from .groups import LayerGroup, cdiv, make_group
 from .spec import CacheSpec
 
 BAD = -1
+# An empty int64 index array (no cells, no rows, no entries), shared by every path with nothing to index,
+# so read-only.
+NO_INDEX = np.empty(0, np.int64)
+NO_INDEX.flags.writeable = False
 
 
 class Layout:

@@ -23,7 +23,7 @@ from .args import accepted_counts, as_count, context_items, generation_tokens, r
 from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError)
-from .layout import Layout
+from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache
@@ -36,7 +36,6 @@ from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
-_NO_ROWS = frozen(np.zeros(0, np.int64))     # no entries / no (row, block) pairs (shared, so read-only)
 
 
 def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
@@ -256,8 +255,7 @@ class KVCacheManager:
         loading = self.requests.loading.get(req.row)
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
-        for p in range(self.layout.num_groups):
-            self.pools[p].release(self.page_table.take_row(p, req.row)[1], tag)
+        self._release_row(req.row, tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
@@ -342,7 +340,7 @@ class KVCacheManager:
             ctx_rows.append(row)
             ctx_tokens.append(n)
         gen = reqs.generation_batch(gen_ids, ctx_rows)
-        gen_rows = gen.rows if gen is not None else _NO_ROWS
+        gen_rows = gen.rows if gen is not None else NO_INDEX
         cap = reqs.cap[gen_rows]
         end = cap + k
         if len(end) and end.max() > spec.max_seq_len:
@@ -359,7 +357,7 @@ class KVCacheManager:
         if len(opened):
             new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
         else:               # most decode steps open no block: skip the gathers
-            new_rows = new_blocks = _NO_ROWS
+            new_rows = new_blocks = NO_INDEX
         need = [len(new_rows) + chunks.count for chunks in ctx_slots]
         for p, pool in enumerate(self.pools):
             # the free list alone answers the common case; available() also counts lifted quarantine
@@ -394,7 +392,7 @@ class KVCacheManager:
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
             reqs.cap[rows] = plan.gen_end          # = starts + tokens, already computed by the plan
         else:
-            gen_rows = gen.rows if gen is not None else np.zeros(0, np.int64)
+            gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))
             rows32, incarnations = rows.astype(np.int32), reqs.incarnation[rows]
             gen_tokens = gen.tokens_for(k) if gen is not None else gen_rows
@@ -567,6 +565,11 @@ class KVCacheManager:
         holder are quarantined."""
         _, slots = self.page_table.take(cells)
         self.pools[p].release(slots, tag)
+
+    def _release_row(self, row: int, tag: int) -> None:
+        """_release of every cell of a row that holds a slot, in every group (a freed or suspended request)."""
+        for p in range(self.layout.num_groups):
+            self.pools[p].release(self.page_table.take_row(p, row)[1], tag)
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):

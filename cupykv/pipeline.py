@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .layout import BAD, Layout
+from .layout import BAD, NO_INDEX, Layout
 from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
                       pow2_buckets, snapshot_words)
 from .entries import EntryMap
@@ -124,10 +124,9 @@ class StepPipeline:
         prev = self._prev.devices if self._prev is not None else ()
         for view in prev:
             view.backend.wait(view.backend.stream, view.finished)
-        if after:
-            for m in self.mirrors:
-                for event in after:
-                    m.backend.wait(m.backend.stream, event)
+        for m in self.mirrors:
+            for event in after:
+                m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
         self._enqueue(step, slot, cells, values, self._cu_tokens(step.num_tokens), allow_delta)
         self.force_full = False
@@ -225,9 +224,8 @@ class UnsafeStaging(StepPipeline):
         words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,
                                max(16, step.scratch_slots.shape[2]), 0, 0)
         tmp = self.backend.pinned_temp(words)
-        empty = np.empty(0, np.int64)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
-                              empty, empty, cu_tokens, step.start_positions)
+                              NO_INDEX, NO_INDEX, cu_tokens, step.start_positions)
         for m, view in zip(self.mirrors, step.devices):
             be, st, out = m.backend, m.backend.stream, m.outputs
             if self._dev[m.rank] is None or len(self._dev[m.rank]) < words:

@@ -22,6 +22,7 @@ class Residence:
     def __init__(self, manager):
         self.layout, self.requests, self.table = manager.layout, manager.requests, manager.page_table
         self.pools, self.ledger = manager.pools, manager.ledger
+        self._release_row = manager._release_row
 
     def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
         """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
@@ -60,8 +61,7 @@ class Residence:
         req = self.requests.get(rid)
         self.check_detach(rid)
         tag = self.ledger.record_fence(copied)
-        for p in range(self.layout.num_groups):
-            self.pools[p].release(self.table.take_row(p, req.row)[1], tag)
+        self._release_row(req.row, tag)
         self.requests.set_suspended(req.row, True)
 
     def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:

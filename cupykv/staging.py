@@ -37,7 +37,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from .errors import StagingExhaustedError
-from .layout import BAD
+from .layout import BAD, NO_INDEX
 
 H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
 H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF = range(6, 12)
@@ -113,10 +113,8 @@ def runs_from_cells(cells: np.ndarray):
     return cells[voff[:-1]], voff
 
 
-_NO_RUNS = (np.empty(0, np.int64), np.zeros(1, np.int64))     # read-only use: packed, never written
-NO_ENTRIES = np.empty(0, np.int64)       # no rebuilt entries, no held rows
-for _a in (*_NO_RUNS, NO_ENTRIES):
-    _a.flags.writeable = False
+_NO_RUNS = (NO_INDEX, np.zeros(1, np.int64))     # read-only use: packed, never written
+_NO_RUNS[1].flags.writeable = False
 
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
@@ -136,8 +134,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     none).
     """
     run_start, run_voff = runs_from_cells(cells)
-    rebuilt = NO_ENTRIES if rebuilt is None else rebuilt
-    held = NO_ENTRIES if held is None else held
+    rebuilt = NO_INDEX if rebuilt is None else rebuilt
+    held = NO_INDEX if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
                 start_pos, rebuilt, held)
     header = [0] * HEADER_WORDS

@@ -187,7 +187,7 @@ class Step:
     def is_complete(self) -> bool:
         """True once every device's finish event has completed (the step's slots may then be reused)."""
         for d in self.devices:      # a loop, not all(): the ledger polls this on every prepare
-            if d.finished is None or not d.finished.done():
+            if not d.is_complete():
                 return False
         return True
 

@@ -10,10 +10,7 @@ from typing import List
 
 import numpy as np
 
-from .layout import BAD
-
-_NO_CELLS = np.empty(0, np.int64)       # logged() of an empty log (shared, so read-only)
-_NO_CELLS.flags.writeable = False
+from .layout import BAD, NO_INDEX
 
 
 class PageTable:
@@ -76,7 +73,7 @@ class PageTable:
         """Cells written since the last clear_log, in order, with repeats (every copy of a cell carries
         the table's current value, and runs only need adjacent cells: sorting cost more than it saved)."""
         if not self._log:
-            return _NO_CELLS
+            return NO_INDEX
         if len(self._log) > 1:
             self._log[:] = [np.concatenate(self._log)]
         return self._log[0]

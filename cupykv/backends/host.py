@@ -322,7 +322,7 @@ def _delta_cells(s: dict) -> np.ndarray:
     start, voff, values = s["run_start"], s["run_voff"], s["values"]
     r = min(len(start), len(voff) - 1)
     if r <= 0:
-        return np.zeros(len(values), np.int64) - 1          # outside every buffer: skipped
+        return np.full(len(values), -1, np.int64)          # outside every buffer: skipped
     i = np.arange(len(values))
     run = np.clip(np.searchsorted(voff[1:r], i, side="right"), 0, r - 1)
     return start[run].astype(np.int64) + (i - voff[run])

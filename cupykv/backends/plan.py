@@ -41,9 +41,8 @@ class StepPlan:
         words: snapshot words to copy; num_values: changed table cells (no apply launch when 0);
         num_entries / num_tokens: the entries written whole (FULL: the batch, padding included; DELTA: the
         rebuilt ones) and the new tokens (they size the grids; the kernels read the true counts from the
-        snapshot). graph: run the step as the graph of these
-        buckets does (copy graph[0] words, apply with a fixed grid, size the build for the buckets); the
-        CUDA plan replays that graph.
+        snapshot). graph: run the step as the graph of these buckets does (copy graph[0] words, apply with
+        a fixed grid, size the build for the buckets); the CUDA plan replays that graph.
         """
         be, (mirror, out, row_entry, pages, offsets, consts) = self.backend, self.buffers
         if graph is not None:       # what a captured graph holds: its bucket's copy, an apply whatever the count
