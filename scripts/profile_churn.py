@@ -9,16 +9,9 @@ import time
 
 import numpy as np
 
-from profile_manager import stub_device_work  # noqa: E402  (scripts/ is on sys.path when run from it)
-from cupykv.backends.host import HostBackend
-from cupykv.bench.harness import SHAPES, Settings, Workload
-# No-ops from the start: the setup's prefill steps would build 128k tables on the host for minutes, and the
-# manager's decisions never read device outputs.
-stub_device_work(HostBackend)
-shape = SHAPES["gpt-oss-120b"]
-st = Settings(shapes=[shape.name], seqs=[131072], batches=[256], contexts=[0], steps=60, warmup=5, torch=False, backend="host")
-wl = Workload(shape, 131072, 256, 0, st, np.random.default_rng(0))
-wl.setup_decode()
+from profile_manager import host_workload  # noqa: E402  (scripts/ is on sys.path when run from it)
+
+wl = host_workload()
 mgr = wl.mgr
 LP = None
 times = {"decode": [], "steady": [], "sched": [], "settle": []}

@@ -11,19 +11,10 @@ import time
 
 import numpy as np
 
-from profile_manager import stub_device_work  # noqa: E402  (scripts/ is on sys.path when run from it)
-from cupykv.backends.host import HostBackend
-from cupykv.bench.harness import SHAPES, Settings, Workload
-
-stub_device_work(HostBackend)
+from profile_manager import host_workload  # noqa: E402  (scripts/ is on sys.path when run from it)
 
 seq = int(sys.argv[sys.argv.index("--seq") + 1]) if "--seq" in sys.argv else 131072
-shape = SHAPES["gpt-oss-120b"]
-st = Settings(shapes=[shape.name], seqs=[seq], batches=[256], contexts=[8], steps=60, warmup=5, torch=False,
-              backend="host")
-wl = Workload(shape, seq, 256, 8, st, np.random.default_rng(0))
-wl.setup_decode()
-wl.setup_contexts(8)
+wl = host_workload(seq, contexts=8)
 mgr = wl.mgr
 LP = None
 times = {"prepare": [], "settle": [], "sched": []}

@@ -164,14 +164,29 @@ def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebu
     return snap
 
 
+def replaced(case, **fields):
+    """A copy of the case with these fields replaced."""
+    return SimpleNamespace(**{**vars(case), **fields})
+
+
 def with_batch(case, copy_idx, pad_to: int = 0):
     """The case with another generation batch (no contexts): its rows, tokens and positions per entry."""
     n = len(copy_idx)
-    return SimpleNamespace(**{**vars(case), "copy_idx": np.asarray(copy_idx, np.int32), "num_seqs": n,
-                              "num_contexts": 0, "begs": case.begs[:, :0], "ends": case.ends[:, :0],
-                              "scratch": case.scratch[:, :0], "cu_tokens": case.cu_tokens[:n + 1],
-                              "start_pos": case.start_pos[:n], "num_tokens": int(case.cu_tokens[n]),
-                              "pad_to": pad_to})
+    return replaced(case, copy_idx=np.asarray(copy_idx, np.int32), num_seqs=n, num_contexts=0,
+                    begs=case.begs[:, :0], ends=case.ends[:, :0], scratch=case.scratch[:, :0],
+                    cu_tokens=case.cu_tokens[:n + 1], start_pos=case.start_pos[:n],
+                    num_tokens=int(case.cu_tokens[n]), pad_to=pad_to)
+
+
+def bumped(table: np.ndarray, rows, stride: int, by: int):
+    """(a copy of table with one cell changed in each of `rows`, those flat cells): row j's cell is in group
+    j % P at block (stride * j) % B."""
+    P, _, B = table.shape
+    cells = np.array([np.ravel_multi_index((j % P, int(r), (stride * j) % B), table.shape)
+                      for j, r in enumerate(rows)], np.int64)
+    out = table.copy()
+    out.reshape(-1)[cells] = (out.reshape(-1)[cells] + by) % NUM_SLOTS
+    return out, cells
 
 
 def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndarray:
@@ -234,7 +249,7 @@ class StepBuffers:
                 graph = graph_buckets(len(snap), entries, tokens, slot.capacity, self.layout.spec.max_batch,
                                       self.offsets.size)
                 hints = (entries, len(h["values"]), tokens)
-            plan.run(be.stream, mode, len(snap), hints[1], hints[0], hints[2], graph).synchronize()
+            plan.run(be.stream, mode, len(snap), hints[1], hints[0], hints[2], graph)
             be.synchronize()
             return
         host = be.pinned_empty(len(snap))
@@ -271,6 +286,13 @@ class StepBuffers:
         assert (pages[:, t:] == SENTINEL).all() and (offsets[t:] == SENTINEL).all(), f"{what}: tokens past the step"
 
 
+def primed(backend, layout, case, shared, capacity, null, hint_fn, path) -> "StepBuffers":
+    """Buffers whose output holds the FULL tables of the case's batch over its old table (no deltas)."""
+    bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
+    bufs.run(pack(case, layout.num_groups, deltas=False), MODE_FULL, hint_fn(case), path)
+    return bufs
+
+
 def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None, None, None), null: bool = False,
                   path: str = "kernels"):
     """FULL steps (per-layer and shared) and, for batches without contexts, a DELTA step after a FULL one;
@@ -290,25 +312,22 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
             if case.num_contexts:
                 # DELTA with contexts: the chunks written whole (their scratch blocks), the generation
                 # entries their changed cells.
-                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
-                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
+                bufs = primed(backend, layout, case, shared, capacity, null, hint_fn, path)
                 bufs.run(pack(case, P, mode=MODE_DELTA, rebuilt=np.arange(case.num_contexts)), MODE_DELTA,
                          hint_fn(case), path)
                 bufs.check(case, case.new, f"{backend.name} DELTA with contexts shared={shared}")
                 continue
             # DELTA: the output holds the old table's FULL tables; the deltas bring it to the new one.
-            bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
-            bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
+            bufs = primed(backend, layout, case, shared, capacity, null, hint_fn, path)
             bufs.check(case, case.old, f"{backend.name} FULL (before DELTA) shared={shared}")
             bufs.run(pack(case, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
             bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
             # A DELTA step whose batch has every row at another entry writes no changed cell (the rows are
             # not where row_entry says), when the host rebuilds nothing.
             if len(case.cells) and case.num_seqs > 1:
-                bufs = StepBuffers(backend, layout, case, case.old, shared, capacity, null)
-                bufs.run(pack(case, P, deltas=False), MODE_FULL, hint_fn(case), path)
+                bufs = primed(backend, layout, case, shared, capacity, null, hint_fn, path)
                 before = backend.to_numpy(bufs.out)
-                moved = SimpleNamespace(**{**vars(case), "copy_idx": np.roll(case.copy_idx, 1)})
+                moved = replaced(case, copy_idx=np.roll(case.copy_idx, 1))
                 bufs.run(pack(moved, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
                 assert np.array_equal(backend.to_numpy(bufs.out), before), "a cell went to an entry its row left"
             check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_fn, path)
@@ -324,16 +343,11 @@ def check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_f
     P, rows, n = layout.num_groups, layout.spec.max_batch, case.num_seqs
     m = n // 2
     # a changed cell in every row that will be held past the short batch, so that holding shows
-    new = case.new.copy()
-    held_cells = [np.ravel_multi_index((j % P, int(r), j % new.shape[2]), new.shape)
-                  for j, r in enumerate(case.copy_idx[m:])]
-    new.reshape(-1)[held_cells] = (new.reshape(-1)[held_cells] + 1) % NUM_SLOTS
-    case = SimpleNamespace(**{**vars(case), "new": new,
-                              "cells": np.union1d(case.cells, np.array(held_cells, np.int64)).astype(np.int64)})
+    new, held_cells = bumped(case.new, case.copy_idx[m:], 1, 1)
+    case = replaced(case, new=new, cells=np.union1d(case.cells, held_cells).astype(np.int64))
     a = with_batch(case, case.copy_idx)
     spare = np.setdiff1d(np.arange(rows), a.copy_idx)            # rows not in A take some of its entries
-    bufs = StepBuffers(backend, layout, a, case.old, shared, capacity, null)
-    bufs.run(pack(a, P, deltas=False), MODE_FULL, hint_fn(a), path)
+    bufs = primed(backend, layout, a, shared, capacity, null, hint_fn, path)
     short = with_batch(case, a.copy_idx[:m])
     bufs.run(pack(short, P, held=a.copy_idx[m:]), MODE_FULL, hint_fn(short), path)
     want = reference_tables(layout.spec, case.new, a.copy_idx, 0, a.begs, a.ends, a.scratch, shared=shared,
@@ -346,11 +360,8 @@ def check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_f
         b[swap[0]], b[swap[-1]] = b[swap[-1]], b[swap[0]]
     rebuilt = np.flatnonzero(b != a.copy_idx)
     # the DELTA step brings changed cells too, in rows it writes whole and in rows it does not
-    newer = case.new.copy()
-    cells = np.array([np.ravel_multi_index((j % P, int(r), (3 * j) % newer.shape[2]), newer.shape)
-                      for j, r in enumerate(b)], np.int64)
-    newer.reshape(-1)[cells] = (newer.reshape(-1)[cells] + 7) % NUM_SLOTS
-    later = SimpleNamespace(**{**vars(with_batch(case, b)), "new": newer, "cells": cells})
+    newer, cells = bumped(case.new, b, 3, 7)
+    later = replaced(with_batch(case, b), new=newer, cells=cells)
     bufs.run(pack(later, P, mode=MODE_DELTA, rebuilt=rebuilt), MODE_DELTA, hint_fn(later), path)
     bufs.check(later, newer, f"{backend.name} DELTA with {len(rebuilt)} rebuilt entries shared={shared}")
 

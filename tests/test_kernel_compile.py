@@ -112,11 +112,17 @@ def test_generated_constants_describe_a_valid_header():
 
 
 
-def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
-    """The arguments CudaBackend passes to cupykv_build_step (its buffers and the per-manager device constants,
-    the null slots included, then the int32 scalars and the table block count) line up one for one with the
-    kernel's parameters: pointers where the kernel takes pointers, 32-bit ints where it takes ints. A
-    mismatch would only show on a GPU, as garbage."""
+def _kernel_param_kinds(entry: str) -> list:
+    """The PTX parameter types (u64, u32, ...) of one kernel of the step module, compiled here."""
+    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
+    assert ok, ptx
+    params = re.search(r"\.entry\s+" + entry + r"\s*\(([^)]*)\)", ptx).group(1)
+    return re.findall(r"\.param\s+\.(\w+)", params)
+
+
+def _build_step_args(monkeypatch, null_slot: bool):
+    """(consts, mirror, the arguments CudaBackend packs for cupykv_build_step but the table block count), for
+    a small two-group layout, with numpy stand-ins for the device arrays."""
     import types
     import numpy as np
     from cupykv.backends import cuda
@@ -124,19 +130,27 @@ def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     from cupykv.pipeline import KernelConsts
     from cupykv.spec import CacheSpec
 
-    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
-    assert ok, ptx
-    params = re.search(r"\.entry\s+cupykv_build_step\s*\(([^)]*)\)", ptx).group(1)
-    kinds = re.findall(r"\.param\s+\.(\w+)", params)
     lay = Layout(CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16, max_seq_len=200,
-                           max_batch=3, slots_per_group=10, null_slot=True))
-    monkeypatch.setattr(cuda, "_require_device", lambda *a, **k: None)      # numpy stand-ins for device arrays
-    host = types.SimpleNamespace(upload=np.array)
-    consts = KernelConsts(lay, 3, host)
+                           max_batch=3, slots_per_group=10, null_slot=null_slot))
+    monkeypatch.setattr(cuda, "_require_device", lambda *a, **k: None)
+    consts = KernelConsts(lay, 3, types.SimpleNamespace(upload=np.array))
     B, L = lay.max_blocks, lay.num_layers
+    mirror = np.zeros((lay.num_groups, 3, B), np.int32)
     _, fixed = cuda.CudaBackend._step_launch_args(
-        np.zeros(64, np.int32), np.zeros((lay.num_groups, 3, B), np.int32), np.zeros((L, 3, 2, B), np.int32),
-        np.zeros(3, np.int32), np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+        np.zeros(64, np.int32), mirror, np.zeros((L, 3, 2, B), np.int32), np.zeros(3, np.int32),
+        np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+    return consts, mirror, fixed
+
+
+def test_build_step_launch_arguments_match_the_kernel_signature(monkeypatch):
+    """The arguments CudaBackend passes to cupykv_build_step (its buffers and the per-manager device constants,
+    the null slots included, then the int32 scalars and the table block count) line up one for one with the
+    kernel's parameters: pointers where the kernel takes pointers, 32-bit ints where it takes ints. A
+    mismatch would only show on a GPU, as garbage."""
+    import numpy as np
+
+    kinds = _kernel_param_kinds("cupykv_build_step")
+    consts, _, fixed = _build_step_args(monkeypatch, null_slot=True)
     args = fixed + (np.int32(1),)                       # build_step appends the table block count
     passed = ["u64" if isinstance(a, np.ndarray) else "u32" if isinstance(a, np.int32) else type(a).__name__
               for a in args]
@@ -149,26 +163,11 @@ def test_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     test above) line up one for one with the kernel's parameters, and the per-step values the plan sets
     before each launch (copy words, the phase grids) sit where the kernel reads them."""
     import ctypes
-    import types
     import numpy as np
     from cupykv.backends import cuda
-    from cupykv.layout import Layout
-    from cupykv.pipeline import KernelConsts
-    from cupykv.spec import CacheSpec
 
-    ok, ptx = _compile(kernels.module_source("step"), "step.cu")
-    assert ok, ptx
-    params = re.search(r"\.entry\s+cupykv_step\s*\(([^)]*)\)", ptx).group(1)
-    kinds = re.findall(r"\.param\s+\.(\w+)", params)
-    lay = Layout(CacheSpec(windows=[32, None], num_kv_heads=1, head_dim=8, tokens_per_block=16, max_seq_len=200,
-                           max_batch=3, slots_per_group=10))
-    monkeypatch.setattr(cuda, "_require_device", lambda *a, **k: None)      # numpy stand-ins for device arrays
-    consts = KernelConsts(lay, 3, types.SimpleNamespace(upload=np.array))
-    B, L = lay.max_blocks, lay.num_layers
-    mirror = np.zeros((lay.num_groups, 3, B), np.int32)
-    _, fixed = cuda.CudaBackend._step_launch_args(
-        np.zeros(64, np.int32), mirror, np.zeros((L, 3, 2, B), np.int32), np.zeros(3, np.int32),
-        np.zeros((L, 8), np.int32), np.zeros(8, np.int32), consts, False)
+    kinds = _kernel_param_kinds("cupykv_step")
+    _, mirror, fixed = _build_step_args(monkeypatch, null_slot=False)
     sync = np.zeros(4, np.int32)
     args = cuda._fused_launch_args(ctypes.c_uint64(0), fixed, np.int64(mirror.size), sync)
     passed = ["u64" if isinstance(a, (np.ndarray, ctypes.c_uint64, np.int64)) else
