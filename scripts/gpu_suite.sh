@@ -8,7 +8,26 @@ OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
 parts=${*:-tests}
 rc=0
+ROOT=$(pwd)
 run() { local name=$1; shift; echo "== $name: $*"; "$@" >"$OUT/$name.log" 2>&1; local r=$?; tail -n 3 "$OUT/$name.log"; echo "== $name rc=$r"; [ $r -eq 0 ] || rc=1; }
+# each_tree LOG LABEL CMD...: CMD run in this tree, then in each tree of AB_TREES (untracked copies of older
+# commits, default old_tree) that exists, its output appended to $OUT/LOG under a header naming the tree.
+each_tree() {
+  local log=$1 label=$2; shift 2
+  for tree in . ${AB_TREES:-old_tree}; do
+    [ -d "$tree/cupykv" ] || continue
+    echo "== $tree${label:+: $label}" >>"$OUT/$log"
+    (cd "$tree" && PYTHONPATH=. "$@") >>"$OUT/$log" 2>&1
+  done
+}
+# dram_of: DRAM bytes and time of cupykv_step under ncu, GPT-OSS-120B 128k b256, for the tree it runs in.
+dram_of() {
+  timeout 120 ncu --profile-from-start off --clock-control none -k regex:cupykv_step --csv \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+      python3 "$ROOT/scripts/kernel_breakdown.py" gpt-oss-120b 131072 256 6 >/tmp/ncu_ab.csv 2>&1
+  grep -v '^"' /tmp/ncu_ab.csv | tail -n 2
+  python3 "$ROOT/scripts/kernel_breakdown.py" --summarize /tmp/ncu_ab.csv
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 for part in $parts; do
@@ -18,12 +37,13 @@ for part in $parts; do
       run pytest_gpu timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py \
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
           tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py tests/test_devices.py ;;
-    sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all
+    sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all;
+                # SANITIZE_TESTS / SANITIZE_K: other test files / another -k selection
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         run "sanitizer_$tool" timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 99 \
-            python3 -m pytest tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py \
-            tests/test_prefix_races.py tests/test_host_tier.py tests/test_cache_host_tier.py -q -p no:cacheprovider \
-            -k "((cuda and exact) or (cuda and not kernels_match) or graph) and not fresh_process and not module_loaded_behind and not stateful"
+            python3 -m pytest ${SANITIZE_TESTS:-tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py \
+            tests/test_prefix_races.py tests/test_host_tier.py tests/test_cache_host_tier.py} -q -p no:cacheprovider \
+            -k "${SANITIZE_K:-((cuda and exact) or (cuda and not kernels_match) or graph) and not fresh_process and not module_loaded_behind and not stateful}"
       done ;;
     breakdown)   # per-kernel device time under Nsight Compute, three shapes, into one log
       for cfg in "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs" "gpt-oss-20b 32768 1" \
@@ -65,39 +85,22 @@ for part in $parts; do
     bench-devices)   # one manager on 1 and 2 devices: host and device time per decode step
       run bench_devices timeout 300 python3 -m cupykv.bench devices --out /tmp/bench_devices
       cp /tmp/bench_devices/devices.md "$OUT/bench_devices.md" 2>/dev/null ;;
-    segments-ab)   # device time per step segment of this tree and of the trees in AB_TREES (untracked copies)
+    segments-ab)   # device time per step segment of this tree and of the trees in AB_TREES
       IFS=';' read -ra cfgs <<< "${AB_CFGS:-gpt-oss-120b 131072 256;gpt-oss-20b 32768 1;gpt-oss-120b 131072 256 --shared}"
       for cfg in "${cfgs[@]}"; do   # AB_CFGS: configurations separated by ';'
-        for tree in . ${AB_TREES:-old_tree}; do
-          [ -d "$tree/cupykv" ] || continue
-          echo "== $tree: $cfg" >>"$OUT/segments_ab.log"
-          (cd "$tree" && PYTHONPATH=. timeout 100 python3 "$OLDPWD/scripts/kernel_breakdown.py" $cfg 16 --segments) \
-              >>"$OUT/segments_ab.log" 2>&1
-        done
+        each_tree segments_ab.log "$cfg" timeout 100 python3 "$ROOT/scripts/kernel_breakdown.py" $cfg 16 --segments
       done
       cat "$OUT/segments_ab.log" ;;
     dram-ab)   # DRAM bytes and time of cupykv_step under ncu, this tree and AB_TREES, GPT-OSS-120B 128k b256
-      for tree in . ${AB_TREES:-old_tree}; do
-        [ -d "$tree/cupykv" ] || continue
-        echo "== $tree" >>"$OUT/dram_ab.log"
-        (cd "$tree" && PYTHONPATH=. timeout 120 ncu --profile-from-start off --clock-control none -k regex:cupykv_step \
-            --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-            python3 "$OLDPWD/scripts/kernel_breakdown.py" gpt-oss-120b 131072 256 6) >/tmp/ncu_ab.csv 2>&1
-        grep -v '^"' /tmp/ncu_ab.csv | tail -n 2 >>"$OUT/dram_ab.log"
-        python3 scripts/kernel_breakdown.py --summarize /tmp/ncu_ab.csv >>"$OUT/dram_ab.log" 2>&1
-      done
+      each_tree dram_ab.log "" dram_of
       cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
-    profile-ab)   # host_calls of this tree and of old_tree/ (an older tree, untracked), interleaved twice;
+    profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice;
                   # AB_BATCHES: the batch sizes (default 256)
       for i in 1 2; do
-        for tree in . old_tree; do
-          [ -d "$tree/cupykv" ] || continue
-          echo "== $tree run $i" >>"$OUT/profile_ab.log"
-          (cd "$tree" && PYTHONPATH=. timeout 120 python3 scripts/host_calls.py ${AB_BATCHES:-256}) >>"$OUT/profile_ab.log" 2>&1
-        done
+        each_tree profile_ab.log "run $i" timeout 120 python3 scripts/host_calls.py ${AB_BATCHES:-256}
       done
       cat "$OUT/profile_ab.log" ;;
   esac

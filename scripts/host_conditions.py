@@ -24,6 +24,7 @@ from collections import defaultdict
 import cupy
 import numpy as np
 
+from host_calls import floor_calls
 from profile_manager import prefilled_manager
 from cupykv.backends import cuda as cuda_backend
 
@@ -85,7 +86,7 @@ def under_conditions(cond: Conditions, stream, blocks: int, enqueue, complete, l
         print(f"  {name:12s} {np.median(per[name]) * 1e6:7.1f} us")
 
 
-def prepare_under_conditions(batch: int, blocks: int = 25) -> None:
+def prepare_under_conditions(cond: Conditions, batch: int, blocks: int = 25) -> None:
     mgr = prefilled_manager(batch, backend="cuda")
     be, rids = mgr.backend, list(range(batch))
 
@@ -95,28 +96,19 @@ def prepare_under_conditions(batch: int, blocks: int = 25) -> None:
         step.ready.synchronize()
     for graphs in (False, True):
         mgr.use_graphs = graphs
-        under_conditions(Conditions(be), be.stream, blocks, lambda: mgr.prepare_batch((), rids), complete,
+        under_conditions(cond, be.stream, blocks, lambda: mgr.prepare_batch((), rids), complete,
                          f"batch {batch}, graphs={graphs}: prepare_batch")
         be.synchronize()
 
 
-def floor_under_conditions(blocks: int = 30) -> None:
-    be = cuda_backend.CudaBackend()
-    k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
-    dev = cupy.zeros(1024, np.int32)
-    host = cupy.cuda.alloc_pinned_memory(4096)
-    st = cupy.cuda.Stream(non_blocking=True)
-    k((1,), (32,), (dev,), stream=st)
-    rt = cupy.cuda.runtime
-
-    def enqueue():
-        rt.memcpyAsync(dev.data.ptr, host.ptr, 4096, rt.memcpyHostToDevice, st.ptr)
-        k((1,), (32,), (dev,), stream=st)
-    under_conditions(Conditions(be), st, blocks, enqueue, lambda _: st.synchronize(),
+def floor_under_conditions(cond: Conditions, blocks: int = 30) -> None:
+    enqueue, st, *_ = floor_calls()
+    under_conditions(cond, st, blocks, enqueue, lambda _: st.synchronize(),
                      "floor host calls (memcpyAsync 4 KB + one launch)")
 
 
 if __name__ == "__main__":
+    conditions = Conditions(cuda_backend.CudaBackend())
     for b in [int(a) for a in sys.argv[1:]] or [256, 1]:
-        prepare_under_conditions(b)
-    floor_under_conditions()
+        prepare_under_conditions(conditions, b)
+    floor_under_conditions(conditions)
