@@ -439,21 +439,6 @@ def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, tabl
 
 
 @requires_gpu
-@pytest.mark.parametrize("solo", [0, 1 << 30], ids=["phases", "solo"])
-@pytest.mark.parametrize("scenario", ["one_decode", "one_context", "full_mixed", "random"])
-@pytest.mark.parametrize("spec_name", sorted(SPECS))
-def test_cuda_step_on_one_block_or_many(rng, cuda_backend, monkeypatch, spec_name, scenario, solo):
-    """cupykv_step on one block (every phase in turn, ordered by __syncthreads alone) and on the grid of its
-    phases, whatever the step's size: SOLO_MAX_BLOCKS 0 (never one block) and huge (always), launched and
-    captured into a graph, against the same oracle. With the default, small steps take one block."""
-    from cupykv.backends import cuda
-    monkeypatch.setattr(cuda, "SOLO_MAX_BLOCKS", solo)
-    for hints in ("exact", "none"):
-        check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=bool(rng.integers(0, 2)),
-                      path="plan")
-
-
-@requires_gpu
 def test_cuda_gate_holds_stream_until_opened(cuda_backend):
     backend = cuda_backend
     stream = backend.new_stream("gated")

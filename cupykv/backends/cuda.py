@@ -304,10 +304,6 @@ def _argument_cell(arg):
 STEP_ARG_COPY_WORDS, STEP_ARG_COPY_BLOCKS, STEP_ARG_APPLY_BLOCKS, STEP_ARG_TABLE_BLOCKS = 2, -4, -3, -2
 COPY_WORDS_PER_BLOCK = 4 * STEP_THREADS
 COPY_MAX_BLOCKS = 16
-# A step whose phases would take at most this many blocks in all runs as one block that does each phase in
-# turn (kernels/step.cu): for so little work the phases' atomics and waits cost more than the parallelism
-# gives (docs/host_profile.md).
-SOLO_MAX_BLOCKS = 4
 
 
 def _fused_launch_args(host_snap, build_args: tuple, mirror_size: np.int64, sync) -> tuple:
@@ -391,8 +387,7 @@ class CudaStepPlan(StepPlan):
         cells[STEP_ARG_COPY_BLOCKS].value = copy
         cells[STEP_ARG_APPLY_BLOCKS].value = apply
         cells[STEP_ARG_TABLE_BLOCKS].value = table
-        blocks = copy + apply + table + pos
-        self._step(blocks if blocks > SOLO_MAX_BLOCKS else 1, stream_ptr)
+        self._step(copy + apply + table + pos, stream_ptr)
 
     def _capture(self, key: tuple, mode: int, graph: tuple):
         """Capture, instantiate and upload one step graph; nothing here waits for the device.

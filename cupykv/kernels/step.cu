@@ -6,7 +6,7 @@
 // arguments. That keeps launches identical from step to step (a CUDA graph can replay them with a grid
 // sized for capacity) and means a stale host-side hint can only change how much of the grid idles,
 // never what is computed. (cupykv_step's one exception: a phase given no blocks does not run; the plan gives
-// the apply phase none only for a step without deltas. A grid of one block runs every phase.)
+// the apply phase none only for a step without deltas.)
 //
 // The contract these kernels implement is "The conversion contract" in docs/design.md; cupykv/reference.py
 // is the oracle and cupykv/backends/host.py holds NumPy emulations of the same kernels.
@@ -424,20 +424,6 @@ __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
     __syncthreads();
 }
 
-// The snapshot copy: block `block` of `nblocks` (grid-stride). 16-byte words where both buffers allow it
-// (ring slots are), then the tail one word at a time.
-__device__ void copy_snapshot(const int* host_snap, int* snap, int copy_words, int block, int nblocks)
-{
-    const int stride = nblocks * blockDim.x;
-    const bool vec = ((reinterpret_cast<unsigned long long>(host_snap) |
-                       reinterpret_cast<unsigned long long>(snap)) & 15) == 0;
-    const int quads = vec ? copy_words / 4 : 0;
-    for (int i = block * blockDim.x + threadIdx.x; i < quads; i += stride)
-        reinterpret_cast<int4*>(snap)[i] = reinterpret_cast<const int4*>(host_snap)[i];
-    for (int i = quads * 4 + block * blockDim.x + threadIdx.x; i < copy_words; i += stride)
-        snap[i] = host_snap[i];
-}
-
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
@@ -446,28 +432,21 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
             int B, int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks,
             int* sync)
 {
-    const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale,
-                     group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
-    if (gridDim.x == 1) {
-        // A grid of one block runs every phase itself, in order, and __syncthreads (which makes the block's
-        // global writes visible to the whole block) is all the ordering it needs: no ticket, no phase or
-        // exit counts, the sync counters untouched. The plan launches small steps so (SOLO_MAX_BLOCKS):
-        // at batch 1 those atomics and waits are a large part of the step.
-        copy_snapshot(host_snap, snap, copy_words, 0, 1);
-        __syncthreads();
-        apply_deltas(snap, mirror, mirror_size, 0, 1);
-        __syncthreads();
-        build_step(a, 0, 1, 1);       // the tables: block 0 of a one-block table part
-        build_step(a, 1, 2, 1);       // the write positions: the one block after it
-        return;
-    }
     __shared__ int ticket;
     if (threadIdx.x == 0)
         ticket = atomicAdd(sync + SYNC_TICKET, 1);
     __syncthreads();
     const int t = ticket;
     if (t < copy_blocks) {
-        copy_snapshot(host_snap, snap, copy_words, t, copy_blocks);
+        // 16-byte words where both buffers allow it (ring slots are), then the tail one word at a time.
+        const int stride = copy_blocks * blockDim.x;
+        const bool vec = ((reinterpret_cast<unsigned long long>(host_snap) |
+                           reinterpret_cast<unsigned long long>(snap)) & 15) == 0;
+        const int quads = vec ? copy_words / 4 : 0;
+        for (int i = t * blockDim.x + threadIdx.x; i < quads; i += stride)
+            reinterpret_cast<int4*>(snap)[i] = reinterpret_cast<const int4*>(host_snap)[i];
+        for (int i = quads * 4 + t * blockDim.x + threadIdx.x; i < copy_words; i += stride)
+            snap[i] = host_snap[i];
         phase_done(sync, SYNC_COPIED);
     } else if (t < copy_blocks + apply_blocks) {
         wait_phase(sync, SYNC_COPIED, copy_blocks);
@@ -480,6 +459,9 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
         const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA || snap[H_NUM_REBUILT] > 0;
         if (reads_mirror)
             wait_phase(sync, SYNC_APPLIED, apply_blocks);
+        const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale,
+                         group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb,
+                         shared};
         build_step(a, block, nblocks, table_blocks);
     }
     __syncthreads();
