@@ -20,13 +20,14 @@ each_tree() {
     (cd "$tree" && PYTHONPATH=. "$@") >>"$OUT/$log" 2>&1
   done
 }
-# dram_of: DRAM bytes and time of cupykv_step under ncu, GPT-OSS-120B 128k b256, for the tree it runs in.
-dram_of() {
-  timeout 120 ncu --profile-from-start off --clock-control none -k regex:cupykv_step --csv \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-      python3 "$ROOT/scripts/kernel_breakdown.py" gpt-oss-120b 131072 256 6 >/tmp/ncu_ab.csv 2>&1
-  grep -v '^"' /tmp/ncu_ab.csv | tail -n 2
-  python3 "$ROOT/scripts/kernel_breakdown.py" --summarize /tmp/ncu_ab.csv
+# ncu_of REGEX METRICS CFG...: kernel_breakdown.py CFG under Nsight Compute, the kernels matching REGEX with
+# METRICS, over the tree it runs in: ncu's last non-CSV lines, then the medians per kernel and metric.
+ncu_of() {
+  local regex=$1 metrics=$2; shift 2
+  timeout 120 ncu --profile-from-start off --clock-control none -k "regex:$regex" --csv --metrics "$metrics" \
+      python3 "$ROOT/scripts/kernel_breakdown.py" "$@" >/tmp/ncu.csv 2>&1
+  grep -v '^"' /tmp/ncu.csv | tail -n 3
+  python3 "$ROOT/scripts/kernel_breakdown.py" --summarize /tmp/ncu.csv
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
@@ -49,11 +50,8 @@ for part in $parts; do
       for cfg in "gpt-oss-120b 131072 256" "gpt-oss-120b 131072 256 --graphs" "gpt-oss-20b 32768 1" \
                  "gemma-3-27b 32768 64"; do
           echo "== $cfg" >>"$OUT/breakdown.log"
-          timeout 100 ncu --profile-from-start off --clock-control none -k regex:cupykv --csv \
-              --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-              python3 scripts/kernel_breakdown.py $cfg >/tmp/ncu.csv 2>&1
-          grep -v '^"' /tmp/ncu.csv | tail -n 3 >>"$OUT/breakdown.log"
-          python3 scripts/kernel_breakdown.py --summarize /tmp/ncu.csv >>"$OUT/breakdown.log" 2>&1
+          ncu_of cupykv gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed $cfg \
+              >>"$OUT/breakdown.log" 2>&1
       done
       cat "$OUT/breakdown.log" ;;
     segments)   # GPU time of each part of a step, from events between the backend calls (gated enqueue)
@@ -92,7 +90,9 @@ for part in $parts; do
       done
       cat "$OUT/segments_ab.log" ;;
     dram-ab)   # DRAM bytes and time of cupykv_step under ncu, this tree and AB_TREES, GPT-OSS-120B 128k b256
-      each_tree dram_ab.log "" dram_of
+      each_tree dram_ab.log "" ncu_of cupykv_step \
+          gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+          gpt-oss-120b 131072 256 6
       cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches

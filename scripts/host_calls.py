@@ -58,8 +58,9 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
 
 
 def floor_calls():
-    """The benchmark floor's host calls, set up: (enqueue, stream, kernel, its device buffer, the pinned
-    4 KB source); enqueue() is a 4 KB memcpyAsync and one launch of an empty kernel."""
+    """The calls the benchmark's floor times on the host (bench.timing.CudaTimer.floor), on buffers of their
+    own: (enqueue, stream, kernel, its device buffer, the pinned 4 KB source); enqueue() is a 4 KB
+    memcpyAsync and one launch of an empty kernel."""
     k = cupy.RawKernel('extern "C" __global__ void noop(int* p) {}', "noop")
     dev = cupy.zeros(1024, np.int32)
     host = cupy.cuda.alloc_pinned_memory(4096)

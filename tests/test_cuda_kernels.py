@@ -16,6 +16,7 @@ import pytest
 
 from cupykv.backends.host import HostBackend
 from cupykv.layout import Layout
+from cupykv.pipeline import KernelConsts
 from cupykv.spec import CacheSpec
 from cupykv.staging import (MODE_DELTA, MODE_FULL, RingSlot, graph_buckets, pack_snapshot, runs_from_cells,
                             snapshot_words, unpack_snapshot)
@@ -62,20 +63,14 @@ def make_layout(name: str) -> Layout:
     return Layout(CacheSpec(num_kv_heads=1, head_dim=8, slots_per_group=NUM_SLOTS, **SPECS[name]))
 
 
-def make_consts(layout: Layout, backend, null_slots=None) -> SimpleNamespace:
-    """The constants object the manager hands to the backend kernels. null_slots: [P] each group's null
-    slot (BAD table cells and padding rows hold its page); default: the layout's (BAD: none)."""
-    if null_slots is None:
-        null_slots = layout.null_slots
-    group_null = np.array(null_slots if null_slots is not None else [BAD] * layout.num_groups, np.int32)
-    return SimpleNamespace(
-        num_groups=layout.num_groups, num_layers=layout.num_layers, rows=layout.spec.max_batch,
-        max_batch=layout.spec.max_batch, max_blocks=layout.max_blocks, tokens_per_block=layout.tpb,
-        layer_group=layout.layer_group, layer_koff=layout.layer_koff, group_scale=layout.group_scale,
-        group_null=group_null,
-        d_layer_koff=backend.upload(layout.layer_koff),
-        d_group_scale=backend.upload(layout.group_scale), d_group_null=backend.upload(group_null),
-        d_group_layers=backend.upload(layout.group_layers))
+def make_consts(layout: Layout, backend, null_slots=None) -> KernelConsts:
+    """The constants object the manager hands to the backend kernels (pipeline.KernelConsts). null_slots: [P]
+    each group's null slot (BAD table cells and padding rows hold its page); default: the layout's (BAD: none)."""
+    consts = KernelConsts(layout, layout.spec.max_batch, backend)
+    if null_slots is not None:
+        consts.group_null = np.array(null_slots, np.int32)
+        consts.d_group_null = backend.upload(consts.group_null)
+    return consts
 
 
 def random_table(rng, shape) -> np.ndarray:
@@ -324,11 +319,13 @@ def check_backend(backend, rng, spec_name, scenario, hint_fn=lambda case: (None,
             bufs.check(case, case.new, f"{backend.name} DELTA shared={shared}")
             # A DELTA step whose batch has every row at another entry writes no changed cell (the rows are
             # not where row_entry says), when the host rebuilds nothing.
-            if len(case.cells) and case.num_seqs > 1:
+            if case.num_seqs > 1:
                 bufs = primed(backend, layout, case, shared, capacity, null, hint_fn, path)
                 before = backend.to_numpy(bufs.out)
-                moved = replaced(case, copy_idx=np.roll(case.copy_idx, 1))
-                bufs.run(pack(moved, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(case), path)
+                newer, bumps = bumped(case.new, case.copy_idx, 1, 1)     # a changed cell in every batch row
+                moved = replaced(case, new=newer, cells=np.union1d(case.cells, bumps).astype(np.int64),
+                                 copy_idx=np.roll(case.copy_idx, 1))
+                bufs.run(pack(moved, P, mode=MODE_DELTA), MODE_DELTA, hint_fn(moved), path)
                 assert np.array_equal(backend.to_numpy(bufs.out), before), "a cell went to an entry its row left"
             check_rebuilt_and_held(backend, layout, case, shared, capacity, null, hint_fn, path)
 

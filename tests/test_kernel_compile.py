@@ -164,9 +164,9 @@ def test_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     before each launch (copy words, the phase grids) sit where the kernel reads them."""
     import ctypes
     import numpy as np
-    from cupykv.backends import cuda
 
-    kinds = _kernel_param_kinds("cupykv_step")
+    kinds = _kernel_param_kinds("cupykv_step")        # skips without CuPy, before the import below needs it
+    from cupykv.backends import cuda
     _, mirror, fixed = _build_step_args(monkeypatch, null_slot=False)
     sync = np.zeros(4, np.int32)
     args = cuda._fused_launch_args(ctypes.c_uint64(0), fixed, np.int64(mirror.size), sync)

@@ -12,7 +12,6 @@ configuration failed.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Dict, List, Optional
 
@@ -21,7 +20,7 @@ import numpy as np
 from ..layout import Layout, cdiv
 from ..manager import KVCacheManager
 from ..spec import CacheSpec
-from .machine import failure
+from .machine import failure, log
 from .record import stats
 from .report import write_named
 from .workload import SHAPES
@@ -157,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Dict] = []
     for devices in device_sets(backend):
         for graphs in ((False,) if backend == "host" else (False, True)):
-            print(f"devices {devices} graphs {graphs} ...", file=sys.stderr, flush=True)
+            log(f"devices {devices} graphs {graphs} ...")
             try:
                 rows.append(run_config(spec, backend, devices, graphs, lengths, steps, warmup))
             except Exception as exc:  # noqa: BLE001 - reported in the row; the others go on
