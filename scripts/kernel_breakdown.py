@@ -72,8 +72,8 @@ if segments:
             marks.append((name if isinstance(name, str) else name(*a), ev))
         return call
     # The step plan's raw calls: its kernel launch (named by its function) or its graph replay.
-    kernel_names = {be._kernel(n).kernel.ptr: n[len("cupykv_"):]
-                    for n in ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step")}
+    from cupykv.kernels import MODULES
+    kernel_names = {be._kernel(n).kernel.ptr: n[len("cupykv_"):] for n in MODULES["step"].kernels}
     cuda_backend.PackedLaunch.__call__ = timed(cuda_backend.PackedLaunch.__call__,
                                                lambda launch, *a: kernel_names[launch.function])
     rt = cuda_backend.runtime

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cupykv.backends.host import HostBackend
+from cupykv.kernels import INLINE_SNAPSHOT_WORDS
 from cupykv.layout import Layout
 from cupykv.pipeline import KernelConsts
 from cupykv.spec import CacheSpec
@@ -229,14 +230,15 @@ class StepBuffers:
         """Copy the snapshot in, apply its deltas, build the step; hints: (entries, values, tokens).
 
         path "kernels": the copy and the two kernels, each its own call; "plan": the backend's StepPlan,
-        what the pipeline runs (on CUDA one cupykv_step launch), with the hints as its counts, or as a
-        graph replay sized by the buckets of the snapshot's counts when the hints are None."""
+        what the pipeline runs (on CUDA one cupykv_step launch, its snapshot copied by the kernel), with
+        the hints as its counts, or as a graph replay sized by the buckets of the snapshot's counts when
+        the hints are None; "inline": the same plan with the snapshot in the launch's parameters
+        (cupykv_step_inline) where it fits them, as the pipeline launches a small step."""
         be = self.backend
-        if path == "plan":
-            slot = RingSlot([be], len(snap))
-            slot.host[:] = snap
-            plan = be.step_plan(slot.twins[0], (self.mirror, self.out, self.row_entry, self.pages, self.offsets,
-                                                self.consts), self.shared)
+        if path in ("plan", "inline"):
+            slot = RingSlot([be], max(len(snap), INLINE_SNAPSHOT_WORDS))
+            slot.host[:len(snap)] = snap
+            plan = self.plan(slot, path)
             h = unpack_snapshot(snap, self.layout.num_groups)
             entries, tokens = max(h["num_seqs"], h["pad_to"]), h["num_tokens"]
             graph = None
@@ -255,6 +257,15 @@ class StepBuffers:
         be.build_step(be.stream, dev, self.mirror, self.out, self.row_entry, self.pages, self.offsets, self.consts,
                       self.shared, mode, num_entries=hints[0], num_values=hints[1], num_tokens=hints[2])
         be.synchronize()
+
+    def plan(self, slot: RingSlot, path: str):
+        """The backend's StepPlan over these buffers for a ring slot; path "plan": one that copies the snapshot
+        of every launched step (the host backend's plan always does)."""
+        plan = self.backend.step_plan(slot.twins[0], (self.mirror, self.out, self.row_entry, self.pages,
+                                                      self.offsets, self.consts), self.shared)
+        if path == "plan":
+            plan.inline_words = 0
+        return plan
 
     def check(self, case, table: np.ndarray, what: str) -> None:
         """Tables, padding rows, positions and untouched slack against the reference for `table`."""
@@ -405,22 +416,28 @@ HINTS = {"none": lambda c: (None, None, None),
          "small": lambda c: (1, 1, 1)}
 
 
+# StepBuffers.run's paths with each hint; with no hints the plan replays a graph, which copies the snapshot
+# whichever the path
+PATH_HINTS = [(path, hints) for path in ("kernels", "plan", "inline") for hints in sorted(HINTS)
+              if (path, hints) != ("inline", "none")]
+
+
 @requires_gpu
 @pytest.mark.parametrize("null", [False, True], ids=["bad", "null_slot"])
-@pytest.mark.parametrize("hints", sorted(HINTS))
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-@pytest.mark.parametrize("path", ["kernels", "plan"])
+@pytest.mark.parametrize("path,hints", PATH_HINTS)
 def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints, null, path):
     """path "plan" is cupykv_step, the pipeline's one launch per step (eager, and captured into a graph with
-    the "none" hints), against the same oracle."""
+    the "none" hints), and "inline" cupykv_step_inline where the snapshot fits its parameters (most of these
+    cases; the long rows' do not), against the same oracle."""
     check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null, path=path)
 
 
 @requires_gpu
 @pytest.mark.parametrize("table_blocks", [1, 2, 3, 7])
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-@pytest.mark.parametrize("path", ["kernels", "plan"])
+@pytest.mark.parametrize("path", ["kernels", "plan", "inline"])
 def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, table_blocks, path):
     """The FULL tables split each group's layers over as many threads per (group, entry, quad) as the grid
     has to spare (none, when the items outnumber the grid's threads and it strides over them): grids of a
@@ -452,6 +469,35 @@ def test_cuda_gate_holds_stream_until_opened(cuda_backend):
     assert copied.wait(5.0)
     assert not gate.close_timeout_hit()
     assert backend.to_numpy(dst).tolist() == [2, 2, 2, 2]
+
+
+@requires_gpu
+def test_an_inline_snapshot_is_the_slot_at_enqueue(rng, cuda_backend):
+    """cupykv_step_inline's snapshot is a launch parameter, which the driver copies when the launch is
+    enqueued: the ring slot rewritten after the launch, while a gate still holds the stream, does not change
+    what the step builds. The control is the same plan without the inline launch (cupykv_step copies the slot
+    when it runs): the same rewrite reaches its tables, so the gate held both launches past the rewrite."""
+    be, layout = cuda_backend, make_layout("swa128_full_x3")
+    case = replaced(make_case(layout, rng, 3, 0), pad_to=0)
+    moved = with_batch(case, np.roll(case.copy_idx, 1))      # the same rows, each at another entry
+    first, second = pack(case, layout.num_groups, deltas=False), pack(moved, layout.num_groups, deltas=False)
+    assert len(first) == len(second) <= INLINE_SNAPSHOT_WORDS
+    built = {}
+    for path in ("inline", "plan"):
+        bufs = StepBuffers(be, layout, case, case.new, False, case.num_tokens + 5)
+        slot = RingSlot([be], INLINE_SNAPSHOT_WORDS)
+        slot.host[:len(first)] = first
+        plan = bufs.plan(slot, path)
+        be.synchronize()
+        gate = be.gate(be.stream)
+        plan.run(be.stream, MODE_FULL, len(first), 0, case.num_seqs, case.num_tokens)
+        slot.host[:len(second)] = second
+        gate.open()
+        be.synchronize()
+        assert not gate.close_timeout_hit(), "the gate timed out: the launch may have run before the rewrite"
+        built[path] = bufs
+    built["inline"].check(case, case.new, "inline launch, its slot rewritten after the enqueue")
+    built["plan"].check(moved, case.new, "the control (the copy reads the rewritten slot)")
 
 
 @requires_gpu

@@ -18,7 +18,8 @@ import cupyx
 import numpy as np
 from cupy.cuda import driver, runtime
 
-from ..kernels import MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of, module_source
+from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of,
+                       module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 
@@ -265,13 +266,25 @@ def apply_grid(num_values: Optional[int]) -> int:
     return min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
 
 
+class ParamBytes:
+    """A by-value kernel parameter read from host memory at `address`: PackedLaunch passes the address itself
+    as the parameter's pointer, so the driver copies the parameter's bytes from there when it enqueues the
+    launch."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+
 class PackedLaunch:
     """A kernel with its arguments packed once into the array of argument pointers cuLaunchKernel takes.
 
     CuPy's RawKernel call converts and checks every argument on every launch (several microseconds for
     build_step's 19). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
-    in the kernel's parameter order. A cell (`cells[i].value`) may change between launches: the driver
-    copies the arguments when a launch is enqueued, or captured into a graph.
+    ParamBytes, in the kernel's parameter order. A cell (`cells[i].value`) may change between launches: the
+    driver copies the arguments, ParamBytes' bytes included, when a launch is enqueued, or captured into a
+    graph.
     """
 
     __slots__ = ("function", "args", "cells", "params", "ptr")
@@ -279,8 +292,9 @@ class PackedLaunch:
     def __init__(self, kernel: cupy.RawKernel, args: tuple):
         self.function = kernel.kernel.ptr
         self.args = args                  # holds the arrays whose pointers the cells hold
-        self.cells = [_argument_cell(a) for a in args]
-        self.params = (ctypes.c_void_p * len(self.cells))(*[ctypes.addressof(c) for c in self.cells])
+        self.cells = [None if isinstance(a, ParamBytes) else _argument_cell(a) for a in args]
+        self.params = (ctypes.c_void_p * len(self.cells))(*[
+            a.address if c is None else ctypes.addressof(c) for a, c in zip(args, self.cells)])
         self.ptr = ctypes.addressof(self.params)
 
     def __call__(self, blocks: int, stream_ptr: int) -> None:
@@ -296,11 +310,13 @@ def _argument_cell(arg):
         return ctypes.c_int32(int(arg))
     if isinstance(arg, np.int64):
         return ctypes.c_int64(int(arg))
-    raise TypeError(f"PackedLaunch: unsupported argument {type(arg).__name__} (cupy array, np.int32 or np.int64)")
+    raise TypeError(f"PackedLaunch: unsupported argument {type(arg).__name__} "
+                    "(cupy array, np.int32, np.int64 or ParamBytes)")
 
 
-# cupykv_step's arguments that change from step to step (indices into _fused_launch_args), and its copy
-# phase's grid: 4 words per thread, at most COPY_MAX_BLOCKS blocks (they grid-stride).
+# cupykv_step's arguments that change from step to step (indices into _fused_launch_args; cupykv_step_inline's
+# arguments end as cupykv_step's do, so the last two indices hold for both), and its copy phase's grid: 4 words
+# per thread, at most COPY_MAX_BLOCKS blocks (they grid-stride).
 STEP_ARG_COPY_WORDS, STEP_ARG_COPY_BLOCKS, STEP_ARG_APPLY_BLOCKS, STEP_ARG_TABLE_BLOCKS = 2, -4, -3, -2
 COPY_WORDS_PER_BLOCK = 4 * STEP_THREADS
 COPY_MAX_BLOCKS = 16
@@ -315,11 +331,19 @@ def _fused_launch_args(host_snap, build_args: tuple, mirror_size: np.int64, sync
     return (host_snap, snap, np.int32(0), mirror, mirror_size) + rest + (np.int32(0),) * 3 + (sync,)
 
 
+def _inline_launch_args(host_address: int, build_args: tuple, mirror_size: np.int64, sync) -> tuple:
+    """cupykv_step_inline's arguments: the snapshot by value from the pinned slot at host_address, then
+    cupykv_step's from the mirror on, without the copy's block count."""
+    fused = _fused_launch_args(None, build_args, mirror_size, sync)
+    return (ParamBytes(host_address),) + fused[3:STEP_ARG_COPY_BLOCKS] + fused[STEP_ARG_COPY_BLOCKS + 1:]
+
+
 class CudaStepPlan(StepPlan):
     """StepPlan on the CUDA backend: one cupykv_step launch per step (kernels/step.cu: the snapshot copy, the
     delta apply and the build as phases of one grid), its arguments checked and packed once, so that run()
     is a cuLaunchKernel (or a cudaGraphLaunch) and an event record from the backend's pool, under one
-    device scope."""
+    device scope. A launched (not replayed) step of at most `inline_words` words is a cupykv_step_inline
+    launch instead: its snapshot goes in the launch's parameters, and no phase reads it over the bus."""
 
     def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
         super().__init__(backend, twin, buffers, shared)
@@ -336,6 +360,11 @@ class CudaStepPlan(StepPlan):
             self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
+            # The driver reads all INLINE_SNAPSHOT_WORDS words at the slot's address: only a slot that long
+            # can go in the parameters.
+            self.inline_words = INLINE_SNAPSHOT_WORDS if twin.host.size >= INLINE_SNAPSHOT_WORDS else 0
+            self._inline = PackedLaunch(backend._kernel("cupykv_step_inline"), _inline_launch_args(
+                host.value, fixed, np.int64(mirror.size), self._sync))
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -349,7 +378,8 @@ class CudaStepPlan(StepPlan):
         be = self.backend
         with DeviceScope(be.device_id):
             if graph is None:
-                self._enqueue(stream.ptr, mode, words, num_values, num_entries, num_tokens)
+                self._enqueue(stream.ptr, mode, words, num_values, num_entries, num_tokens,
+                              inline=words <= self.inline_words)
             else:
                 key = self._key(mode, graph)
                 replay = be._graphs.get(key)
@@ -372,22 +402,24 @@ class CudaStepPlan(StepPlan):
         return self._graph_key, mode, seqs, tokens, copy_words
 
     def _enqueue(self, stream_ptr: int, mode: int, words: int, num_values: Optional[int],
-                 num_entries: Optional[int], num_tokens: Optional[int]) -> None:
+                 num_entries: Optional[int], num_tokens: Optional[int], inline: bool = False) -> None:
         """The step's launch, eager or into a capture. num_values None: a graph's fixed apply grid; 0: no
-        apply blocks."""
+        apply blocks. inline: the snapshot in the launch's parameters (words <= inline_words), no copy."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
         planes, groups, max_blocks, max_batch, capacity = self._grid
         table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_values,
                                num_tokens)
-        copy = min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
         apply = 0 if num_values == 0 else apply_grid(num_values)
-        cells = self._step.cells
-        cells[STEP_ARG_COPY_WORDS].value = words
-        cells[STEP_ARG_COPY_BLOCKS].value = copy
-        cells[STEP_ARG_APPLY_BLOCKS].value = apply
-        cells[STEP_ARG_TABLE_BLOCKS].value = table
-        self._step(copy + apply + table + pos, stream_ptr)
+        if inline:
+            launch, copy = self._inline, 0
+        else:
+            launch, copy = self._step, min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
+            launch.cells[STEP_ARG_COPY_WORDS].value = words
+            launch.cells[STEP_ARG_COPY_BLOCKS].value = copy
+        launch.cells[STEP_ARG_APPLY_BLOCKS].value = apply
+        launch.cells[STEP_ARG_TABLE_BLOCKS].value = table
+        launch(copy + apply + table + pos, stream_ptr)
 
     def _capture(self, key: tuple, mode: int, graph: tuple):
         """Capture, instantiate and upload one step graph; nothing here waits for the device.

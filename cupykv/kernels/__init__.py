@@ -1,7 +1,8 @@
 """The CUDA C++ kernels of the CUDA backend, one file per user, and the exact source of each module.
 
-- step.cu: the per-step device work: cupykv_step (the pipeline's one launch per step), and its parts as
-  kernels of their own (cupykv_apply_deltas, cupykv_build_step).
+- step.cu: the per-step device work: cupykv_step (the pipeline's one launch per step; cupykv_step_inline
+  for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
+  (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
 - gate.cu: the test gate (cupykv_gate).
 
@@ -24,6 +25,11 @@ OPTIONS = ("-std=c++17",)
 # __launch_bounds__, and a launch with more threads than that would fail.
 STEP_THREADS = 256
 
+# Snapshot words a cupykv_step_inline launch carries as its parameter: with the kernel's other parameters
+# (128 bytes) within the 4 KB of parameters every CUDA device takes (more costs the launch: the driver copies
+# the whole struct into every launch).
+INLINE_SNAPSHOT_WORDS = 960
+
 
 class KernelModule(NamedTuple):
     file: str                                   # under cupykv/kernels/
@@ -32,11 +38,13 @@ class KernelModule(NamedTuple):
 
 
 def _step_prelude() -> str:
-    return cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
+    return (cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
+            f"constexpr int INLINE_SNAPSHOT_WORDS = {INLINE_SNAPSHOT_WORDS};\n")
 
 
 MODULES: Dict[str, KernelModule] = {
-    "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step"), _step_prelude),
+    "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step",
+                                    "cupykv_step_inline"), _step_prelude),
     "kv_write": KernelModule("kv_write.cu", ("cupykv_write_kv_u16", "cupykv_write_kv_u32")),
     "gate": KernelModule("gate.cu", ("cupykv_gate",)),
 }

@@ -1,6 +1,7 @@
 // cupykv step kernels: apply table deltas to the device mirror, then build the page tables and the write
 // positions (cupykv_apply_deltas, cupykv_build_step), or the whole step, snapshot copy included, in one
-// launch (cupykv_step, at the end of this file: what the manager's pipeline runs).
+// launch (cupykv_step, near the end of this file: what the manager's pipeline runs; cupykv_step_inline, at
+// the end, for a step whose snapshot fits the launch's parameters).
 //
 // Every kernel reads its per-step counts from the snapshot header on the device, never from launch
 // arguments. That keeps launches identical from step to step (a CUDA graph can replay them with a grid
@@ -14,9 +15,10 @@
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
 // HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA
 // writes whole only the entries the host lists, contexts among them, and the changed cells of the others),
-// BAD, and STEP_THREADS (the block size of every launch) come from cupykv/staging.py, cupykv/layout.py and
-// cupykv/backends/cuda.py: the backend generates `constexpr int NAME = value;` lines and prepends them to
-// this file when it loads the module (cuda.module_source("step") is the exact source it compiles).
+// BAD, STEP_THREADS (the block size of every launch) and INLINE_SNAPSHOT_WORDS come from cupykv/staging.py,
+// cupykv/layout.py and cupykv/kernels/__init__.py: the backend generates `constexpr int NAME = value;` lines
+// and prepends them to this file when it loads the module (kernels.module_source("step") is the exact
+// source it compiles).
 
 // slot * scale + offset. Unsigned arithmetic so that an out-of-range product wraps exactly like the
 // reference's int64 -> int32 store instead of being undefined behaviour.
@@ -424,6 +426,50 @@ __device__ __forceinline__ void wait_phase(int* sync, int which, int blocks)
     __syncthreads();
 }
 
+// The apply and build phases of the block holding ticket t (tickets [0, copy_blocks) copy the snapshot).
+__device__ void apply_and_build(int t, const int* snap, int* mirror, long long mirror_size, int* out,
+                                int* row_entry, int* pages, int* offsets, const int* layer_koff,
+                                const int* group_scale, const int* group_null, const int* group_layers,
+                                int num_layers, int num_groups, int rows, int max_batch, int B, int capacity,
+                                int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks,
+                                int* sync)
+{
+    if (t < copy_blocks + apply_blocks) {
+        wait_phase(sync, SYNC_COPIED, copy_blocks);
+        apply_deltas(snap, mirror, mirror_size, t - copy_blocks, apply_blocks);
+        phase_done(sync, SYNC_APPLIED);
+        return;
+    }
+    const int block = t - copy_blocks - apply_blocks;
+    const int nblocks = static_cast<int>(gridDim.x) - copy_blocks - apply_blocks;
+    wait_phase(sync, SYNC_COPIED, copy_blocks);
+    const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA || snap[H_NUM_REBUILT] > 0;
+    if (reads_mirror)
+        wait_phase(sync, SYNC_APPLIED, apply_blocks);
+    const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale, group_null,
+                     group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared};
+    build_step(a, block, nblocks, table_blocks);
+}
+
+__device__ __forceinline__ int take_ticket(int* sync)
+{
+    __shared__ int ticket;
+    if (threadIdx.x == 0)
+        ticket = atomicAdd(sync + SYNC_TICKET, 1);
+    __syncthreads();
+    return ticket;
+}
+
+__device__ __forceinline__ void count_exit(int* sync)
+{
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(sync + SYNC_EXITED, 1) == static_cast<int>(gridDim.x) - 1) {
+        // Every block has passed its waits: nobody reads the counters again in this launch.
+        sync[SYNC_TICKET] = sync[SYNC_COPIED] = sync[SYNC_APPLIED] = sync[SYNC_EXITED] = 0;
+        __threadfence();
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long long mirror_size, int* out,
             int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
@@ -432,11 +478,7 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
             int B, int capacity, int tpb, int shared, int copy_blocks, int apply_blocks, int table_blocks,
             int* sync)
 {
-    __shared__ int ticket;
-    if (threadIdx.x == 0)
-        ticket = atomicAdd(sync + SYNC_TICKET, 1);
-    __syncthreads();
-    const int t = ticket;
+    const int t = take_ticket(sync);
     if (t < copy_blocks) {
         // 16-byte words where both buffers allow it (ring slots are), then the tail one word at a time.
         const int stride = copy_blocks * blockDim.x;
@@ -448,26 +490,35 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
         for (int i = quads * 4 + t * blockDim.x + threadIdx.x; i < copy_words; i += stride)
             snap[i] = host_snap[i];
         phase_done(sync, SYNC_COPIED);
-    } else if (t < copy_blocks + apply_blocks) {
-        wait_phase(sync, SYNC_COPIED, copy_blocks);
-        apply_deltas(snap, mirror, mirror_size, t - copy_blocks, apply_blocks);
-        phase_done(sync, SYNC_APPLIED);
     } else {
-        const int block = t - copy_blocks - apply_blocks;
-        const int nblocks = static_cast<int>(gridDim.x) - copy_blocks - apply_blocks;
-        wait_phase(sync, SYNC_COPIED, copy_blocks);
-        const bool reads_mirror = block >= table_blocks || snap[H_MODE] != MODE_DELTA || snap[H_NUM_REBUILT] > 0;
-        if (reads_mirror)
-            wait_phase(sync, SYNC_APPLIED, apply_blocks);
-        const StepArgs a{snap, mirror, out, row_entry, pages, offsets, layer_koff, group_scale,
-                         group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb,
-                         shared};
-        build_step(a, block, nblocks, table_blocks);
+        apply_and_build(t, snap, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff, group_scale,
+                        group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity, tpb,
+                        shared, copy_blocks, apply_blocks, table_blocks, sync);
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(sync + SYNC_EXITED, 1) == static_cast<int>(gridDim.x) - 1) {
-        // Every block has passed its waits: nobody reads the counters again in this launch.
-        sync[SYNC_TICKET] = sync[SYNC_COPIED] = sync[SYNC_APPLIED] = sync[SYNC_EXITED] = 0;
-        __threadfence();
-    }
+    count_exit(sync);
+}
+
+// ---- A small step's snapshot in the launch ---------------------------------------------------------------
+//
+// cupykv_step_inline is cupykv_step without the copy phase: the snapshot (its first INLINE_SNAPSHOT_WORDS
+// words, at least all the step uses) is a parameter of the launch. The driver copies a launch's parameters
+// when the launch is enqueued, so this is a snapshot too, taken then; the phases read it from the constant
+// bank instead of reading pinned memory over the bus, and none of them waits for a copy. Its parameters
+// stay within the 4 KB every CUDA device takes (tests/test_kernel_compile.py checks the total).
+struct InlineSnapshot {
+    int words[INLINE_SNAPSHOT_WORDS];
+};
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+cupykv_step_inline(const __grid_constant__ InlineSnapshot s, int* mirror, long long mirror_size, int* out,
+                   int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
+                   const int* __restrict__ group_scale, const int* __restrict__ group_null,
+                   const int* __restrict__ group_layers, int num_layers, int num_groups, int rows,
+                   int max_batch, int B, int capacity, int tpb, int shared, int apply_blocks, int table_blocks,
+                   int* sync)
+{
+    apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff,
+                    group_scale, group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity,
+                    tpb, shared, 0, apply_blocks, table_blocks, sync);
+    count_exit(sync);
 }
