@@ -7,7 +7,8 @@ Order of one step (everything after the host packing is asynchronous):
     then, on each device's manager stream (one Mirror per device; one device by default):
             wait for the previous step's finish on it     (its consumer's reads come before our writes)
             run the backend's StepPlan for the slot's twin (backends/plan.py; on CUDA one cupykv_step
-            launch, or its graph replay with use_graphs):
+            launch, or its graph replay with use_graphs; a small launched step's snapshot goes in the
+            parameters of a cupykv_step_inline launch instead, copied by the driver at enqueue):
                 copy the ring slot to its twin there       (reads the pinned slot, never the live table)
                 apply the deltas to the mirror             (nothing to apply when no table cell changed)
                 build the tables and write positions       (FULL: the batch's entries; DELTA: the changed
