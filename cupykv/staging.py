@@ -12,8 +12,12 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
     begs[P, num_contexts]             scratch block range of each context, per group
     ends[P, num_contexts]
     scratch[P, num_contexts, M]       scratch slot ids (M = header[H_SCRATCH_WIDTH])
-    run_start[num_runs]               table deltas as runs: flat start index into table[P, rows, B]
-    run_voff[num_runs + 1]            offsets of each run's values
+    run_start[num_runs]               table deltas as runs of consecutive cells: flat start index into
+                                      table[P, rows, B]
+    run_coff[num_runs + 1]            run r is the step's changed cells [run_coff[r], run_coff[r + 1]) (of
+                                      num_cells)
+    run_value[num_runs]               where run r's values start in values[], or ~v (negative): every cell
+                                      of the run takes values[v] (a fill run: a freed row's BAD cells)
     values[num_values]
     cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
     start_pos[num_seqs]               sequence position of entry s's first new token
@@ -40,12 +44,13 @@ from .errors import StagingExhaustedError
 from .layout import BAD, NO_INDEX
 
 H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
-H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF = range(6, 12)
+H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF = range(6, 12)
 H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
 H_MODE = 16
 H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
 H_NUM_HELD, H_NUM_REBUILT, H_OFF_REBUILT, H_OFF_HELD = 18, 19, 20, 21
-HEADER_WORDS = 22
+H_NUM_CELLS, H_OFF_RUN_VALUE = 22, 23
+HEADER_WORDS = 24
 
 # H_MODE: FULL rewrites the batch's entries of the output whole; DELTA rewrites whole only the rebuilt
 # entries (its contexts among them), and the changed cells of the others.
@@ -99,28 +104,61 @@ def pow2_buckets(lowest: int, cap: int) -> list:
 
 
 def runs_from_cells(cells: np.ndarray):
-    """Flat cell indices -> (run_start, run_voff): maximal runs of consecutive ascending cells, in order.
+    """Flat cell indices -> (run_start, run_coff): maximal runs of consecutive ascending cells, in order.
     Any order and repeats are fine (the values of a repeated cell are equal); sorted input packs tightest."""
     n = len(cells)
     if n == 0:
         return _NO_RUNS
-    # run r covers cells[voff[r]:voff[r + 1]]; a run breaks wherever consecutive cells are not adjacent.
+    # run r covers cells[coff[r]:coff[r + 1]]; a run breaks wherever consecutive cells are not adjacent.
     # The break mask is written in place: at decode sizes each numpy call costs more than the data.
     breaks = np.empty(n + 1, bool)
     breaks[0] = breaks[n] = True
     np.not_equal(cells[1:], cells[:-1] + 1, out=breaks[1:n])
-    voff = breaks.nonzero()[0]
-    return cells[voff[:-1]], voff
+    coff = breaks.nonzero()[0]
+    return cells[coff[:-1]], coff
 
 
 _NO_RUNS = (NO_INDEX, np.zeros(1, np.int64))     # read-only use: packed, never written
 _NO_RUNS[1].flags.writeable = False
 
+# A run of at least this many cells that are all BAD (a freed row, a released window) ships BAD once: a
+# fill run. (The layout and the kernels take a fill run of any value; only BAD is worth looking for.)
+FILL_MIN_RUN = 16
+
+
+def run_values(run_coff: np.ndarray, values: np.ndarray):
+    """(run_value, the values to ship) for runs over `values` (one per changed cell): a run of at least
+    FILL_MIN_RUN cells that are all BAD ships one BAD, as a fill run (run_value ~v), and every other run its
+    values in order (run_value: where they start)."""
+    n, num_runs = len(values), len(run_coff) - 1
+    if n - num_runs + 1 < FILL_MIN_RUN:          # no run is that long (decode steps: runs of a cell or two)
+        return run_coff[:-1], values
+    long = ((run_coff[1:] - run_coff[:-1]) >= FILL_MIN_RUN).nonzero()[0]
+    # a run of BAD starts and ends on BAD (the runs of new slots a prefill writes do not), and as slots are
+    # >= 0 it is all BAD when its largest value is
+    fills = [(r, start, end) for r, start, end in zip(long.tolist(), run_coff[long].tolist(), run_coff[long + 1].tolist())
+             if values[start] == BAD and values[end - 1] == BAD and np.maximum.reduce(values[start:end]) == BAD]
+    if not fills:
+        return run_coff[:-1], values
+    # The values between fill runs stay contiguous: they ship as slices, each fill run as its first value,
+    # and every later run's values start that many fewer words on.
+    pieces, run_value, at = [], run_coff[:-1].copy(), 0
+    for r, start, end in fills:
+        pieces.append(values[at:start + 1])
+        at = end
+        run_value[r + 1:] -= end - start - 1
+        run_value[r] = ~run_value[r]
+    pieces.append(values[at:])
+    return run_value, np.concatenate(pieces)
+
 
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
                    num_runs: int, num_values: int, num_rebuilt: int = 0, num_held: int = 0) -> int:
+    """The words of a snapshot with these counts (num_values: the values shipped; at most the changed
+    cells, fewer with fill runs)."""
     return (HEADER_WORDS + num_seqs + 2 * num_groups * num_contexts + num_groups * num_contexts * scratch_width
-            + num_runs + (num_runs + 1) + num_values + (num_seqs + 1) + num_seqs + num_rebuilt + num_held)
+            + num_runs + (num_runs + 1) + num_runs + num_values + (num_seqs + 1) + num_seqs + num_rebuilt
+            + num_held)
 
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
@@ -129,19 +167,21 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
-    cells (any order; a repeated cell must carry the same value each time) and `values` their values;
-    rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
+    cells (any order; a repeated cell must carry the same value each time) and `values` their values
+    (a long run of one value ships it once: run_values); rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
     none).
     """
-    run_start, run_voff = runs_from_cells(cells)
+    run_start, run_coff = runs_from_cells(cells)
+    run_value, shipped = run_values(run_coff, values)
     rebuilt = NO_INDEX if rebuilt is None else rebuilt
     held = NO_INDEX if held is None else held
-    sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_voff, values, cu_tokens,
-                start_pos, rebuilt, held)
+    sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
+                cu_tokens, start_pos, rebuilt, held)
     header = [0] * HEADER_WORDS
     header[H_STEP] = step_id & 0x7FFFFFFF
     header[H_NUM_RUNS] = len(run_start)
-    header[H_NUM_VALUES] = len(values)
+    header[H_NUM_CELLS] = len(cells)
+    header[H_NUM_VALUES] = len(shipped)
     header[H_NUM_SEQS] = len(copy_idx)
     header[H_NUM_CONTEXTS] = begs.shape[1]
     header[H_SCRATCH_WIDTH] = scratch.shape[2]
@@ -161,8 +201,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     return pos
 
 
-_SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_VOFF,
-                    H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
+_SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF,
+                    H_OFF_RUN_VALUE, H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
 _HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
@@ -181,8 +221,9 @@ def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
         copy_idx=sect(H_OFF_COPY_IDX, n), begs=sect(H_OFF_BEGS, num_groups * c, (num_groups, c)),
         ends=sect(H_OFF_ENDS, num_groups * c, (num_groups, c)),
         scratch=sect(H_OFF_SCRATCH, num_groups * c * m, (num_groups, c, m)),
-        run_start=sect(H_OFF_RUN_START, r), run_voff=sect(H_OFF_RUN_VOFF, r + 1),
-        values=sect(H_OFF_VALUES, int(h[H_NUM_VALUES])),
+        num_cells=int(h[H_NUM_CELLS]),
+        run_start=sect(H_OFF_RUN_START, r), run_coff=sect(H_OFF_RUN_COFF, r + 1),
+        run_value=sect(H_OFF_RUN_VALUE, r), values=sect(H_OFF_VALUES, int(h[H_NUM_VALUES])),
         cu_tokens=sect(H_OFF_CU_TOKENS, n + 1), start_pos=sect(H_OFF_START_POS, n),
         rebuilt=sect(H_OFF_REBUILT, int(h[H_NUM_REBUILT])), held=sect(H_OFF_HELD, int(h[H_NUM_HELD])))
 

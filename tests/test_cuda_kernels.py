@@ -19,8 +19,8 @@ from cupykv.kernels import INLINE_SNAPSHOT_WORDS
 from cupykv.layout import Layout
 from cupykv.pipeline import KernelConsts
 from cupykv.spec import CacheSpec
-from cupykv.staging import (MODE_DELTA, MODE_FULL, RingSlot, graph_buckets, pack_snapshot, runs_from_cells,
-                            snapshot_words, unpack_snapshot)
+from cupykv.staging import (FILL_MIN_RUN, MODE_DELTA, MODE_FULL, RingSlot, graph_buckets, pack_snapshot,
+                            run_values, runs_from_cells, snapshot_words, unpack_snapshot)
 from oracle import expected_write_positions, reference_tables
 
 BAD = -1
@@ -103,10 +103,15 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     P, rows, B = layout.num_groups, layout.spec.max_batch, layout.max_blocks
     old = random_table(rng, (P, rows, B))
     new = old.copy()
-    # rewrite a few whole rows (a new request), a scatter of single cells (decode), and nothing sometimes
+    # rewrite a few whole rows (a new request), clear some (a freed request: a fill run of BAD) or give a
+    # stretch of one a single slot (a fill run of it), a scatter of single cells (decode), nothing sometimes
     if rng.random() < 0.8:
         for _ in range(int(rng.integers(0, 3))):
             new[int(rng.integers(0, P)), int(rng.integers(0, rows))] = random_table(rng, B)
+        for _ in range(int(rng.integers(0, 3))):
+            lo = int(rng.integers(0, B))
+            new[int(rng.integers(0, P)), int(rng.integers(0, rows)), lo:lo + int(rng.integers(1, 2 * FILL_MIN_RUN))] = (
+                BAD if rng.random() < 0.7 else int(rng.integers(0, NUM_SLOTS)))
         flat = new.reshape(-1)
         picks = rng.integers(0, flat.size, int(rng.integers(0, 20)))
         flat[picks] = random_table(rng, len(picks))
@@ -149,10 +154,11 @@ def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebu
     DELTA step's entries written whole; held: the rows kept past the batch)."""
     cells = case.cells if deltas else np.empty(0, np.int64)
     values = case.new.reshape(-1)[cells]
-    run_start, _ = runs_from_cells(cells)
+    run_start, run_coff = runs_from_cells(cells)
+    shipped = run_values(run_coff, values)[1]
     rebuilt, held = np.asarray(rebuilt, np.int64), np.asarray(held, np.int64)
     words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
-                           len(values), len(rebuilt), len(held))
+                           len(shipped), len(rebuilt), len(held))
     snap = np.full(words + 7, -7, np.int32)              # slack past the end must not matter
     assert pack_snapshot(snap, 7, case.copy_idx, case.begs, case.ends, case.scratch, cells, values,
                          case.cu_tokens, case.start_pos, mode=mode, pad_to=case.pad_to, rebuilt=rebuilt,
@@ -186,12 +192,13 @@ def bumped(table: np.ndarray, rows, stride: int, by: int):
 
 
 def apply_runs(mirror: np.ndarray, snap: np.ndarray, num_groups: int) -> np.ndarray:
-    """The deltas applied in numpy, straight from the snapshot's runs."""
+    """The deltas applied in numpy, straight from the snapshot's runs (a fill run: one value for all its
+    cells)."""
     s = unpack_snapshot(snap, num_groups)
     flat = mirror.copy().reshape(-1)
     for r in range(len(s["run_start"])):
-        lo, hi = s["run_voff"][r], s["run_voff"][r + 1]
-        flat[s["run_start"][r]:s["run_start"][r] + hi - lo] = s["values"][lo:hi]
+        lo, hi, v = s["run_coff"][r], s["run_coff"][r + 1], s["run_value"][r]
+        flat[s["run_start"][r]:s["run_start"][r] + hi - lo] = s["values"][v:v + hi - lo] if v >= 0 else s["values"][~v]
     return flat.reshape(mirror.shape)
 
 
@@ -245,7 +252,7 @@ class StepBuffers:
             if hints[0] is None:
                 graph = graph_buckets(len(snap), entries, tokens, slot.capacity, self.layout.spec.max_batch,
                                       self.offsets.size)
-                hints = (entries, len(h["values"]), tokens)
+                hints = (entries, h["num_cells"], tokens)
             plan.run(be.stream, mode, len(snap), hints[1], hints[0], hints[2], graph)
             be.synchronize()
             return
@@ -253,9 +260,9 @@ class StepBuffers:
         host[:] = snap
         dev = be.device_empty(len(snap))
         be.copy_h2d(dev, host, len(snap), be.stream)
-        be.apply_deltas(be.stream, dev, self.mirror, self.consts, num_values=hints[1])
+        be.apply_deltas(be.stream, dev, self.mirror, self.consts, num_cells=hints[1])
         be.build_step(be.stream, dev, self.mirror, self.out, self.row_entry, self.pages, self.offsets, self.consts,
-                      self.shared, mode, num_entries=hints[0], num_values=hints[1], num_tokens=hints[2])
+                      self.shared, mode, num_entries=hints[0], num_cells=hints[1], num_tokens=hints[2])
         be.synchronize()
 
     def plan(self, slot: RingSlot, path: str):
@@ -514,8 +521,8 @@ def test_cuda_gate_times_out(cuda_backend):
 
 @pytest.mark.parametrize("backend_name", ["host", "cuda"])
 def test_apply_skips_cells_outside_the_mirror(backend_name, request):
-    """A corrupt delta run (negative start, or past the end) writes only the cells inside the mirror, on
-    both backends alike."""
+    """A corrupt delta run (negative start, or past the end) writes only the cells inside the mirror, and a
+    fill run sets all its cells to its one value, on both backends alike."""
     if backend_name == "cuda":
         if not _gpu_available():
             pytest.skip("CuPy sees no usable CUDA GPU")
@@ -524,9 +531,10 @@ def test_apply_skips_cells_outside_the_mirror(backend_name, request):
         backend = HostBackend()
     layout = make_layout("full_only_b4")
     size = layout.num_groups * layout.spec.max_batch * layout.max_blocks
-    run_start = np.array([-2, 5, size - 2], np.int64)
-    voff = np.array([0, 4, 6, 10], np.int64)
-    values = np.arange(100, 110, dtype=np.int32)
+    run_start = np.array([-2, 5, size - 2, 9], np.int64)
+    coff = np.array([0, 4, 6, 10, 12], np.int64)
+    first = np.array([0, 4, 6, ~10], np.int64)          # the last run: a fill run of values[10]
+    values = np.arange(100, 111, dtype=np.int32)
     empty = np.zeros((layout.num_groups, 0), np.int32)
     snap = np.zeros(200, np.int32)
     # pack_snapshot takes cells; build the header by hand around hand-made runs instead
@@ -535,11 +543,12 @@ def test_apply_skips_cells_outside_the_mirror(backend_name, request):
                       np.empty(0, np.int64), np.empty(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int64))
     h = snap[:stg.HEADER_WORDS]
     base = int(h[stg.H_OFF_CU_TOKENS]) + 1
-    for off, arr in ((stg.H_OFF_RUN_START, run_start), (stg.H_OFF_RUN_VOFF, voff), (stg.H_OFF_VALUES, values)):
+    for off, arr in ((stg.H_OFF_RUN_START, run_start), (stg.H_OFF_RUN_COFF, coff), (stg.H_OFF_RUN_VALUE, first),
+                     (stg.H_OFF_VALUES, values)):
         h[off] = base
         snap[base:base + len(arr)] = arr
         base += len(arr)
-    h[stg.H_NUM_RUNS], h[stg.H_NUM_VALUES] = len(run_start), len(values)
+    h[stg.H_NUM_RUNS], h[stg.H_NUM_CELLS], h[stg.H_NUM_VALUES] = len(run_start), coff[-1], len(values)
     consts = make_consts(layout, backend)
     mirror = backend.device_full(size, -5)
     host = backend.pinned_empty(len(snap))
@@ -551,7 +560,8 @@ def test_apply_skips_cells_outside_the_mirror(backend_name, request):
     want = np.full(size, -5, np.int32)
     want[[0, 1]] = [102, 103]                   # the first run's cells -2, -1 are skipped
     want[[5, 6]] = [104, 105]
-    want[[size - 2, size - 1]] = [106, 107]     # the last run's cells size, size + 1 are skipped
+    want[[size - 2, size - 1]] = [106, 107]     # the third run's cells size, size + 1 are skipped
+    want[[9, 10]] = 110
     assert np.array_equal(backend.to_numpy(mirror), want)
 
 

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv.staging import MODE_DELTA, MODE_FULL, pack_snapshot, runs_from_cells, snapshot_words, unpack_snapshot
+from cupykv.layout import BAD
+from cupykv.staging import (FILL_MIN_RUN, MODE_DELTA, MODE_FULL, pack_snapshot, run_values, runs_from_cells,
+                            snapshot_words, unpack_snapshot)
 from oracle import Capture
 
 
@@ -16,29 +18,64 @@ def make(backend_name="host", **kw):
 
 def test_runs_from_cells():
     cells = np.array([3, 4, 5, 9, 11, 12])
-    start, voff = runs_from_cells(cells)
-    assert start.tolist() == [3, 9, 11] and voff.tolist() == [0, 3, 4, 6]
-    start, voff = runs_from_cells(np.empty(0, np.int64))
-    assert len(start) == 0 and voff.tolist() == [0]
+    start, coff = runs_from_cells(cells)
+    assert start.tolist() == [3, 9, 11] and coff.tolist() == [0, 3, 4, 6]
+    start, coff = runs_from_cells(np.empty(0, np.int64))
+    assert len(start) == 0 and coff.tolist() == [0]
+
+
+def cell_values(s: dict) -> tuple:
+    """(cells, values) one per changed cell, from an unpacked snapshot's runs, read as the layout says."""
+    cells, values = [], []
+    for r, start in enumerate(s["run_start"].tolist()):
+        n, v = int(s["run_coff"][r + 1] - s["run_coff"][r]), int(s["run_value"][r])
+        cells += range(start, start + n)
+        values += [int(s["values"][~v])] * n if v < 0 else s["values"][v:v + n].tolist()
+    return cells, values
+
+
+def test_run_values_ship_a_long_run_of_bad_once():
+    """Runs of at least FILL_MIN_RUN BAD cells become fill runs (runs of another single value do not), every
+    other run ships its values; read back by the layout, every cell gets its value."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        lens = rng.integers(1, 3 * FILL_MIN_RUN, int(rng.integers(1, 8)))
+        coff = np.concatenate(([0], np.cumsum(lens)))
+        values = rng.integers(-1, 50, int(coff[-1]))
+        uniform = rng.random(len(lens)) < 0.5
+        for r in np.flatnonzero(uniform):
+            values[coff[r]:coff[r + 1]] = BAD if rng.random() < 0.7 else values[coff[r]]
+        first, shipped = run_values(coff, values)
+        want_fill = [bool((values[coff[r]:coff[r + 1]] == BAD).all() and lens[r] >= FILL_MIN_RUN)
+                     for r in range(len(lens))]
+        assert (first < 0).tolist() == want_fill
+        assert len(shipped) == len(values) - sum(int(lens[r]) - 1 for r in range(len(lens)) if want_fill[r])
+        got = np.concatenate([np.full(lens[r], shipped[~first[r]]) if first[r] < 0
+                              else shipped[first[r]:first[r] + lens[r]] for r in range(len(lens))])
+        assert np.array_equal(got, values)
 
 
 def test_pack_unpack_round_trip():
     rng = np.random.default_rng()
     P, C, M, n = 3, 2, 4, 5
-    cells = np.unique(rng.integers(0, 1000, 40))
+    # scattered cells, a freed row's cells (BAD), a stretch of one slot, and a prefill's new slots
+    cells = np.concatenate((np.unique(rng.integers(0, 1000, 40)), np.arange(2000, 2040), np.arange(3000, 3020),
+                            np.arange(4000, 4020)))
+    values = np.concatenate((rng.integers(-1, 99, len(cells) - 80), np.full(40, BAD), np.full(20, 7),
+                             np.arange(500, 520)))
     args = dict(copy_idx=rng.integers(0, 9, n), begs=rng.integers(0, 9, (P, C)), ends=rng.integers(0, 9, (P, C)),
-                scratch=rng.integers(0, 99, (P, C, M)), cells=cells, values=rng.integers(-1, 99, len(cells)),
+                scratch=rng.integers(0, 99, (P, C, M)), cells=cells, values=values,
                 cu_tokens=np.cumsum([0, 3, 1, 1, 1, 1]), start_pos=rng.integers(0, 99, n))
     start, _ = runs_from_cells(cells)
-    words = snapshot_words(n, C, P, M, len(start), len(cells))
+    words = snapshot_words(n, C, P, M, len(start), len(cells) - 39)     # one fill run (BAD); 7s go as they are
     buf = np.zeros(words + 7, np.int32)
     assert pack_snapshot(buf, 41, **args) == words
     got = unpack_snapshot(buf, P)
-    for key in ("copy_idx", "begs", "ends", "scratch", "values", "cu_tokens", "start_pos"):
+    for key in ("copy_idx", "begs", "ends", "scratch", "cu_tokens", "start_pos"):
         assert np.array_equal(got[key], args[key]), key
-    flat = np.concatenate([np.arange(s, s + hi - lo) for s, lo, hi in
-                           zip(got["run_start"], got["run_voff"][:-1], got["run_voff"][1:])])
-    assert np.array_equal(flat, cells)
+    assert got["num_cells"] == len(cells)
+    got_cells, got_values = cell_values(got)
+    assert got_cells == cells.tolist() and got_values == values.tolist()
     assert got["step"] == 41 and got["num_seqs"] == n and got["num_contexts"] == C
 
 
@@ -82,12 +119,33 @@ def test_decode_ships_only_what_changed():
         mgr.settle(s)
         sizes.append(mgr.h2d_bytes_last_step)
     table_bytes = mgr.table.nbytes
-    # New rows go as runs (a value per written cell, two run words per row and group), not as the table.
+    # New rows go as runs (a value per written cell, three run words per row and group), not as the table.
     scratch_words = prefill.scratch_slots.size + 2 * prefill.scratch_begs.size
-    assert big <= 4 * (written + 2 * 2 * 32 + scratch_words + 3 * 32) + 256
+    assert big <= 4 * (written + 3 * 2 * 32 + scratch_words + 3 * 32) + 256
     assert big < table_bytes / 2
     # Decode: a handful of new or released cells per step plus the batch's rows.
     assert max(sizes) < 4096 and max(sizes) < table_bytes / 50
+
+
+def test_freed_rows_ship_as_fill_runs(backend_name):
+    """Freeing requests clears their rows; the next step ships each cleared stretch as a fill run (a few
+    words, not a value per cell), and the device mirror still equals the host table after it
+    (debug_verify_mirror checks)."""
+    mgr = make(backend_name, debug_verify_mirror=True)
+    for r in range(8):
+        mgr.add(r, 4000)
+    s = mgr.prepare_batch({r: 4000 for r in range(8)})
+    s.finish()
+    mgr.settle(s)
+    held = int(np.count_nonzero(mgr.table != cupykv.BAD))
+    for r in range(6):
+        mgr.free(r)
+    s = mgr.prepare_batch((), [6, 7])
+    s.finish()
+    mgr.settle(s)
+    assert held > 6 * (4000 // 16) and int(np.count_nonzero(mgr.table != cupykv.BAD)) < held / 3
+    # 6 rows x 2 groups of fill runs (3 run words and a value each), the batch's 2 rows and the header
+    assert mgr.h2d_bytes_last_step < 4 * (6 * 2 * 4 + 64 + 64)
 
 
 def test_verify_mirror_debug_option():

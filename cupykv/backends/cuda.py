@@ -243,12 +243,12 @@ def _whole_entry_threads(planes: int, groups: int, max_blocks: int, entries: int
 
 
 def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
-              num_entries: Optional[int], num_values: Optional[int], num_tokens: Optional[int]):
+              num_entries: Optional[int], num_cells: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. num_entries: the entries the step writes
-    whole (FULL: the batch and its padding; DELTA: the rebuilt ones); num_values: changed table cells.
+    whole (FULL: the batch and its padding; DELTA: the rebuilt ones); num_cells: changed table cells.
     None counts size the grid for a graph: entries for max_batch, a fixed DELTA cell grid, tokens for the
     capacity. Write positions: a thread per (group, new token)."""
-    cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+    cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_cells is None else max(int(num_cells), 1)
     if mode == MODE_DELTA:
         rebuilt = max_batch if num_entries is None else min(max(int(num_entries), 0), max_batch)
         threads = max(cells, _whole_entry_threads(planes, groups, max_blocks, rebuilt) if rebuilt else 0)
@@ -260,9 +260,9 @@ def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacit
     return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * groups) // STEP_THREADS), POS_MAX_BLOCKS)
 
 
-def apply_grid(num_values: Optional[int]) -> int:
-    """Blocks of an apply_deltas launch for num_values changed cells (None: a graph's fixed grid)."""
-    hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_values is None else max(int(num_values), 1)
+def apply_grid(num_cells: Optional[int]) -> int:
+    """Blocks of an apply_deltas launch for num_cells changed cells (None: a graph's fixed grid)."""
+    hint = APPLY_GRAPH_BLOCKS * STEP_THREADS if num_cells is None else max(int(num_cells), 1)
     return min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
 
 
@@ -373,12 +373,12 @@ class CudaStepPlan(StepPlan):
                                consts.d_group_scale, consts.d_group_null, consts.d_group_layers, self._sync)
         self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
 
-    def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
+    def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None) -> CudaEvent:
         be = self.backend
         with DeviceScope(be.device_id):
             if graph is None:
-                self._enqueue(stream.ptr, mode, words, num_values, num_entries, num_tokens,
+                self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens,
                               inline=words <= self.inline_words)
             else:
                 key = self._key(mode, graph)
@@ -401,16 +401,16 @@ class CudaStepPlan(StepPlan):
         copy_words, seqs, tokens = graph      # seqs: the bucket of the entries written whole (step_grid)
         return self._graph_key, mode, seqs, tokens, copy_words
 
-    def _enqueue(self, stream_ptr: int, mode: int, words: int, num_values: Optional[int],
+    def _enqueue(self, stream_ptr: int, mode: int, words: int, num_cells: Optional[int],
                  num_entries: Optional[int], num_tokens: Optional[int], inline: bool = False) -> None:
-        """The step's launch, eager or into a capture. num_values None: a graph's fixed apply grid; 0: no
+        """The step's launch, eager or into a capture. num_cells None: a graph's fixed apply grid; 0: no
         apply blocks. inline: the snapshot in the launch's parameters (words <= inline_words), no copy."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
         planes, groups, max_blocks, max_batch, capacity = self._grid
-        table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_values,
+        table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_cells,
                                num_tokens)
-        apply = 0 if num_values == 0 else apply_grid(num_values)
+        apply = 0 if num_cells == 0 else apply_grid(num_cells)
         if inline:
             launch, copy = self._inline, 0
         else:
@@ -633,10 +633,10 @@ class CudaBackend:
 
     # -- kernels -------------------------------------------------------------------------------
     def apply_deltas(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, consts,
-                     num_values: Optional[int] = None) -> None:
+                     num_cells: Optional[int] = None) -> None:
         """Apply the snapshot's table deltas to the device mirror [P, rows, B].
 
-        num_values only sizes the grid (the kernel reads the true count from the snapshot and grid-strides);
+        num_cells only sizes the grid (the kernel reads the true count from the snapshot and grid-strides);
         None gives a fixed grid, for graph capture.
         """
         def check():
@@ -646,11 +646,11 @@ class CudaBackend:
 
         args = self._memo("apply_deltas", (snap, mirror), check)
         with self.device_context():
-            self._kernel("cupykv_apply_deltas")((apply_grid(num_values),), (STEP_THREADS,), args, stream=stream)
+            self._kernel("cupykv_apply_deltas")((apply_grid(num_cells),), (STEP_THREADS,), args, stream=stream)
 
     def build_step(self, stream: cupy.cuda.Stream, snap: cupy.ndarray, mirror: cupy.ndarray, out: cupy.ndarray,
                    row_entry: cupy.ndarray, pages: cupy.ndarray, offsets: cupy.ndarray, consts, shared: bool,
-                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_values: Optional[int] = None,
+                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_cells: Optional[int] = None,
                    num_tokens: Optional[int] = None) -> None:
         """The step's tables and write positions, in one launch after apply_deltas (see cupykv_build_step).
 
@@ -669,7 +669,7 @@ class CudaBackend:
                                                                   consts, shared))
         table_blocks, pos_blocks = step_grid(planes, consts.num_groups, int(consts.max_blocks),
                                              int(consts.max_batch), int(pages.shape[1]), mode, num_entries,
-                                             num_values, num_tokens)
+                                             num_cells, num_tokens)
         args = fixed + (np.int32(table_blocks),)
         with self.device_context():
             self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)

@@ -207,18 +207,18 @@ class HostBackend:
 
     # kernels (emulated; the CUDA versions live in cupykv/kernels/step.cu)
     def apply_deltas(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, consts,
-                     num_values: Optional[int] = None) -> None:
+                     num_cells: Optional[int] = None) -> None:
         def run():
             s = unpack_snapshot(snap, consts.num_groups)
             flat = mirror.reshape(-1)
-            cells = _delta_cells(s)
+            cells, values = _deltas(s)
             inside = (cells >= 0) & (cells < flat.size)      # the kernel skips cells outside the mirror
-            flat[cells[inside]] = s["values"][inside]
+            flat[cells[inside]] = values[inside]
         stream.enqueue(run)
 
     def build_step(self, stream: SimStream, snap: np.ndarray, mirror: np.ndarray, out: np.ndarray,
                    row_entry: np.ndarray, pages: np.ndarray, offsets: np.ndarray, consts, shared: bool,
-                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_values: Optional[int] = None,
+                   mode: int = MODE_FULL, num_entries: Optional[int] = None, num_cells: Optional[int] = None,
                    num_tokens: Optional[int] = None) -> None:
         """The tables (FULL or DELTA, as the snapshot says) and the write positions, from the mirror after
         apply_deltas. mode and the counts are grid hints on the GPU and are ignored here."""
@@ -315,17 +315,20 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool, entries=
                                              int(consts.layer_koff[layer]) + r, _group_null(consts, p))
 
 
-def _delta_cells(s: dict) -> np.ndarray:
-    """The flat table cell of each delta value (run r covers values [run_voff[r], run_voff[r + 1])), the
-    run found as the kernel's find_run does, so that a corrupt snapshot (unsafe staging) gives garbage
-    cells, not an error; no runs: no cells."""
-    start, voff, values = s["run_start"], s["run_voff"], s["values"]
-    r = min(len(start), len(voff) - 1)
-    if r <= 0:
-        return np.full(len(values), -1, np.int64)          # outside every buffer: skipped
-    i = np.arange(len(values))
-    run = np.clip(np.searchsorted(voff[1:r], i, side="right"), 0, r - 1)
-    return start[run].astype(np.int64) + (i - voff[run])
+def _deltas(s: dict):
+    """(flat table cell, value) of each of the step's changed cells (delta_at in step.cu: run r covers cells
+    [run_coff[r], run_coff[r + 1]); its values start at values[run_value[r]], or a fill run's one value is
+    values[~run_value[r]]), the run found as the kernel's find_run does, so that a corrupt snapshot (unsafe
+    staging) gives garbage cells, not an error; no runs or no values: cells outside every buffer."""
+    start, coff, first, values = s["run_start"], s["run_coff"], s["run_value"], s["values"]
+    n, r = max(s["num_cells"], 0), min(len(start), len(coff) - 1, len(first))
+    if r <= 0 or not len(values):
+        return np.full(n, -1, np.int64), np.full(n, BAD, np.int64)          # skipped
+    i = np.arange(min(n, max(int(coff[r]), 0)))           # a valid snapshot's runs cover num_cells exactly
+    run = np.clip(np.searchsorted(coff[1:r], i, side="right"), 0, r - 1)
+    k = i - coff[run]
+    v = first[run].astype(np.int64)
+    return start[run].astype(np.int64) + k, values[np.clip(np.where(v >= 0, v + k, ~v), 0, len(values) - 1)]
 
 
 def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
@@ -335,7 +338,8 @@ def _delta_tables(s: dict, out, row_entry, consts, shared: bool) -> None:
     n = max(0, min(s["num_seqs"], max_batch))
     live = max(n, min(s["pad_to"], max_batch))
     copy_idx, held, full = s["copy_idx"], s["held"][:max_batch - live], s["mode"] != MODE_DELTA
-    for cell, base in zip(_delta_cells(s).tolist(), s["values"].tolist()):
+    cells, values = _deltas(s)
+    for cell, base in zip(cells.tolist(), values.tolist()):
         p, row, b = cell // (rows * B), (cell // B) % rows, cell % B
         if cell < 0 or p >= consts.num_groups:
             continue

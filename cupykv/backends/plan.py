@@ -34,11 +34,11 @@ class StepPlan:
         """Whether this plan is still right for `twin` (its buffers were not replaced by a grown slot)."""
         return self.twin is twin and self.dev is twin.dev and self.host is twin.host
 
-    def run(self, stream, mode: int, words: int, num_values: int, num_entries: int, num_tokens: int,
+    def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None):
         """Enqueue the step on `stream` and return its ready event (recorded after all of it).
 
-        words: snapshot words to copy; num_values: changed table cells (no apply launch when 0);
+        words: snapshot words to copy; num_cells: changed table cells (no apply launch when 0);
         num_entries / num_tokens: the entries written whole (FULL: the batch, padding included; DELTA: the
         rebuilt ones) and the new tokens (they size the grids; the kernels read the true counts from the
         snapshot). graph: run the step as the graph of these buckets does (copy graph[0] words, apply with
@@ -46,11 +46,11 @@ class StepPlan:
         """
         be, (mirror, out, row_entry, pages, offsets, consts) = self.backend, self.buffers
         if graph is not None:       # what a captured graph holds: its bucket's copy, an apply whatever the count
-            words, num_values = graph[0], None
+            words, num_cells = graph[0], None
             num_entries, num_tokens = graph[1], graph[2]
         be.copy_h2d(self.dev, self.host, words, stream)
-        if num_values != 0:         # a steady decode step often changes no cell: one launch fewer
-            be.apply_deltas(stream, self.dev, mirror, consts, num_values=num_values)
+        if num_cells != 0:         # a steady decode step often changes no cell: one launch fewer
+            be.apply_deltas(stream, self.dev, mirror, consts, num_cells=num_cells)
         be.build_step(stream, self.dev, mirror, out, row_entry, pages, offsets, consts, self.shared, mode,
-                      num_entries=num_entries, num_values=num_values, num_tokens=num_tokens)
+                      num_entries=num_entries, num_cells=num_cells, num_tokens=num_tokens)
         return be.record(stream)

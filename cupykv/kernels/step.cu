@@ -28,13 +28,13 @@ __device__ __forceinline__ int page_index(int slot, int scale, int offset)
                             static_cast<unsigned>(offset));
 }
 
-// The run r with run_voff[r] <= i < run_voff[r + 1] (run_voff is increasing, run_voff[0] = 0).
-__device__ __forceinline__ int find_run(const int* __restrict__ run_voff, int num_runs, int i)
+// The run r with run_coff[r] <= i < run_coff[r + 1] (run_coff is increasing, run_coff[0] = 0).
+__device__ __forceinline__ int find_run(const int* __restrict__ run_coff, int num_runs, int i)
 {
     int lo = 0, hi = num_runs;
     while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
-        if (run_voff[mid] <= i)
+        if (run_coff[mid] <= i)
             lo = mid;
         else
             hi = mid;
@@ -42,22 +42,34 @@ __device__ __forceinline__ int find_run(const int* __restrict__ run_voff, int nu
     return lo;
 }
 
+// The i-th of the step's changed cells (i < H_NUM_CELLS): its flat index into the table [P, rows, B] and its
+// value. Run r covers cells [run_coff[r], run_coff[r + 1]) from run_start[r] on; its values start at
+// values[run_value[r]], or, for a fill run (run_value[r] = ~v, negative), every cell takes values[v].
+struct Delta {
+    long long cell;
+    int value;
+};
+
+__device__ __forceinline__ Delta delta_at(const int* snap, int i)
+{
+    const int* run_coff = snap + snap[H_OFF_RUN_COFF];
+    const int r = find_run(run_coff, snap[H_NUM_RUNS], i);
+    const int k = i - run_coff[r];
+    const int v = snap[snap[H_OFF_RUN_VALUE] + r];
+    return {static_cast<long long>(snap[snap[H_OFF_RUN_START] + r]) + k,
+            snap[snap[H_OFF_VALUES] + (v >= 0 ? v + k : ~v)]};
+}
+
 // Apply the step's table deltas to the mirror [P, rows, B]: one thread per changed cell (grid-stride, so
 // any fixed grid covers any number of cells). Runs are mostly one or two cells long in decode steps, so a
 // thread per cell keeps every lane busy where a block per run would leave most of them idle.
 __device__ void apply_deltas(const int* snap, int* mirror, long long mirror_size, int block, int nblocks)
 {
-    const int num_runs = snap[H_NUM_RUNS];
-    const int num_values = snap[H_NUM_VALUES];
-    const int* run_start = snap + snap[H_OFF_RUN_START];
-    const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
-    const int* values = snap + snap[H_OFF_VALUES];
-
-    for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
-        const int r = find_run(run_voff, num_runs, i);
-        const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
-        if (0 <= cell && cell < mirror_size)
-            mirror[cell] = values[i];
+    const int num_cells = snap[H_NUM_CELLS];
+    for (int i = block * blockDim.x + threadIdx.x; i < num_cells; i += nblocks * blockDim.x) {
+        const Delta d = delta_at(snap, i);
+        if (0 <= d.cell && d.cell < mirror_size)
+            mirror[d.cell] = d.value;
     }
 }
 
@@ -223,23 +235,19 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
 __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
     const int* snap = a.snap;
-    const int num_runs = snap[H_NUM_RUNS];
-    const int num_values = snap[H_NUM_VALUES];
+    const int num_cells = snap[H_NUM_CELLS];
     const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
     const int num_contexts = snap[H_NUM_CONTEXTS];
     const int live = max(num_seqs, min(snap[H_PAD_TO], a.max_batch));
     const bool full = snap[H_MODE] != MODE_DELTA;     // every entry of the batch is written whole
     const int num_held = min(max(snap[H_NUM_HELD], 0), a.max_batch - live);
     const int* held = snap + snap[H_OFF_HELD];
-    const int* run_start = snap + snap[H_OFF_RUN_START];
-    const int* run_voff = snap + snap[H_OFF_RUN_VOFF];
-    const int* values = snap + snap[H_OFF_VALUES];
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const long long plane_cells = static_cast<long long>(a.rows) * a.B;
 
-    for (int i = block * blockDim.x + threadIdx.x; i < num_values; i += nblocks * blockDim.x) {
-        const int r = find_run(run_voff, num_runs, i);
-        const long long cell = static_cast<long long>(run_start[r]) + (i - run_voff[r]);
+    for (int i = block * blockDim.x + threadIdx.x; i < num_cells; i += nblocks * blockDim.x) {
+        const Delta d = delta_at(snap, i);
+        const long long cell = d.cell;
         const int p = static_cast<int>(cell / plane_cells);
         const int row = static_cast<int>((cell % plane_cells) / a.B);
         const int b = static_cast<int>(cell % a.B);
@@ -250,7 +258,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
                                    : s - live < num_held && held[s - live] == row;
         if (s < 0 || !here)
             continue;
-        const int base = values[i];
+        const int base = d.value;
         const int scale = a.group_scale[p];
         const int null = a.group_null[p];
         const int* layers = a.group_layers + a.num_groups + 1;
