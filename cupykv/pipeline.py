@@ -96,7 +96,6 @@ class StepPipeline:
         self.backend = self.backends[0]
         self.use_graphs = use_graphs
         self.steady_batch_delta = steady_batch_delta
-        self.shared = spec.table_mode == "shared"
         self.mirrors = [Mirror(layout, be, rank) for rank, be in enumerate(self.backends)]
         P, rows = layout.num_groups, spec.max_batch
         words = snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS, rows // 2, rows)
@@ -158,12 +157,15 @@ class StepPipeline:
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
                               self.mirrors[0].outputs.write_offsets.size) if self.use_graphs else None
+        h2d_words = 0
         for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
+            plan = m.plan(twin)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-            view.ready = twin.copied = m.plan(twin).run(m.backend.stream, step.mode, words, len(cells),
-                                                                     entries, tokens, graph)
-        self.h2d_bytes_last_step = (graph[0] if graph else words) * 4 * len(self.mirrors)
+            view.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries, tokens,
+                                                graph)
+            h2d_words += plan.h2d_words(words, graph)
+        self.h2d_bytes_last_step = h2d_words * 4
 
     def capture_graphs(self) -> int:
         """Capture now every step graph the ring slots can need on every device (CUDA backend with
@@ -235,6 +237,6 @@ class UnsafeStaging(StepPipeline):
             be.copy_h2d(dev, tmp, words, st)
             be.copy_h2d(m.mirror, self.table, self.table.size, st)
             be.build_step(st, dev, m.mirror, out.tables, m.row_entry, out.write_pages, out.write_offsets, m.consts,
-                          self.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
+                          m.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
             view.ready = be.record(st)
         self.h2d_bytes_last_step = (words + self.table.size) * 4 * len(self.mirrors)

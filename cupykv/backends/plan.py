@@ -34,6 +34,10 @@ class StepPlan:
         """Whether this plan is still right for `twin` (its buffers were not replaced by a grown slot)."""
         return self.twin is twin and self.dev is twin.dev and self.host is twin.host
 
+    def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
+        """The snapshot words that run() takes to the device: the copy's (a graph replay copies its bucket)."""
+        return graph[0] if graph is not None else words
+
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None):
         """Enqueue the step on `stream` and return its ready event (recorded after all of it).
