@@ -373,12 +373,12 @@ class CudaStepPlan(StepPlan):
                                consts.d_group_scale, consts.d_group_null, consts.d_group_layers, self._sync)
         self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
 
-    def _inline(self, words: int, graph: GraphBuckets) -> bool:
+    def _goes_inline(self, words: int, graph: GraphBuckets) -> bool:
         return graph is None and words <= self.inline_words
 
     def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
         """An inline launch takes its whole parameter block, whatever the snapshot's size."""
-        return INLINE_SNAPSHOT_WORDS if self._inline(words, graph) else super().h2d_words(words, graph)
+        return INLINE_SNAPSHOT_WORDS if self._goes_inline(words, graph) else super().h2d_words(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None) -> CudaEvent:
@@ -386,7 +386,7 @@ class CudaStepPlan(StepPlan):
         with DeviceScope(be.device_id):
             if graph is None:
                 self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens,
-                              inline=self._inline(words, graph))
+                              inline=self._goes_inline(words, graph))
             else:
                 key = self._key(mode, graph)
                 replay = be._graphs.get(key)
