@@ -127,9 +127,9 @@ FILL_MIN_RUN = 16
 
 
 def run_values(run_coff: np.ndarray, values: np.ndarray):
-    """(run_value, the values to ship) for runs over `values` (one per changed cell): a run of at least
-    FILL_MIN_RUN cells that are all BAD ships one BAD, as a fill run (run_value ~v), and every other run its
-    values in order (run_value: where they start)."""
+    """(run_value, the values to ship) for runs over `values` (one per changed cell; page-table values, so
+    slots >= 0 or BAD): a run of at least FILL_MIN_RUN cells that are all BAD ships one BAD, as a fill run
+    (run_value ~v), and every other run its values in order (run_value: where they start)."""
     n, num_runs = len(values), len(run_coff) - 1
     if n - num_runs + 1 < FILL_MIN_RUN:          # no run is that long (decode steps: runs of a cell or two)
         return run_coff[:-1], values
@@ -167,8 +167,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
-    cells (any order; a repeated cell must carry the same value each time) and `values` their values
-    (a long run of one value ships it once: run_values); rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
+    cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
+    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
     none).
     """
     run_start, run_coff = runs_from_cells(cells)

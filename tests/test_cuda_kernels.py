@@ -234,7 +234,7 @@ class StepBuffers:
         self.offsets = backend.device_full(capacity, SENTINEL)
 
     def run(self, snap: np.ndarray, mode: int, hints=(None, None, None), path: str = "kernels") -> None:
-        """Copy the snapshot in, apply its deltas, build the step; hints: (entries, values, tokens).
+        """Copy the snapshot in, apply its deltas, build the step; hints: (entries, cells, tokens).
 
         path "kernels": the copy and the two kernels, each its own call; "plan": the backend's StepPlan,
         what the pipeline runs (on CUDA one cupykv_step launch, its snapshot copied by the kernel), with
@@ -416,7 +416,7 @@ def cuda_backend():
     return CudaBackend()
 
 
-# grid-size hints (entries, values, tokens): none (grids sized for capacity, as in a graph), exact, and
+# grid-size hints (entries, changed cells, tokens): none (grids sized for capacity, as in a graph), exact, and
 # too small (the kernels must grid-stride)
 HINTS = {"none": lambda c: (None, None, None),
          "exact": lambda c: (max(c.num_seqs, c.pad_to), len(c.cells), c.num_tokens),

@@ -62,7 +62,7 @@ def test_pack_unpack_round_trip():
     # scattered cells, a freed row's cells (BAD), a stretch of one slot, and a prefill's new slots
     cells = np.concatenate((np.unique(rng.integers(0, 1000, 40)), np.arange(2000, 2040), np.arange(3000, 3020),
                             np.arange(4000, 4020)))
-    values = np.concatenate((rng.integers(-1, 99, len(cells) - 80), np.full(40, BAD), np.full(20, 7),
+    values = np.concatenate((rng.integers(0, 99, len(cells) - 80), np.full(40, BAD), np.full(20, 7),
                              np.arange(500, 520)))
     args = dict(copy_idx=rng.integers(0, 9, n), begs=rng.integers(0, 9, (P, C)), ends=rng.integers(0, 9, (P, C)),
                 scratch=rng.integers(0, 99, (P, C, M)), cells=cells, values=values,

@@ -377,7 +377,8 @@ class CudaStepPlan(StepPlan):
         return graph is None and words <= self.inline_words
 
     def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
-        """An inline launch takes its whole parameter block, whatever the snapshot's size."""
+        """An inline launch takes the whole snapshot struct (INLINE_SNAPSHOT_WORDS words) in its parameters,
+        whatever the snapshot's size."""
         return INLINE_SNAPSHOT_WORDS if self._goes_inline(words, graph) else super().h2d_words(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,

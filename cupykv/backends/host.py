@@ -318,13 +318,14 @@ def _full_tables(s: dict, mirror, out, row_entry, consts, shared: bool, entries=
 def _deltas(s: dict):
     """(flat table cell, value) of each of the step's changed cells (delta_at in step.cu: run r covers cells
     [run_coff[r], run_coff[r + 1]); its values start at values[run_value[r]], or a fill run's one value is
-    values[~run_value[r]]), the run found as the kernel's find_run does, so that a corrupt snapshot (unsafe
-    staging) gives garbage cells, not an error; no runs or no values: cells outside every buffer."""
+    values[~run_value[r]]), the run found as the kernel's find_run does. A corrupt snapshot (unsafe staging)
+    gives some garbage cells, not necessarily the kernel's (this stops at the runs' end and clamps the value
+    index, inside the snapshot), and never an error; no runs or no values: no cells."""
     start, coff, first, values = s["run_start"], s["run_coff"], s["run_value"], s["values"]
-    n, r = max(s["num_cells"], 0), min(len(start), len(coff) - 1, len(first))
+    r = min(len(start), len(coff) - 1, len(first))
     if r <= 0 or not len(values):
-        return np.full(n, -1, np.int64), np.full(n, BAD, np.int64)          # skipped
-    i = np.arange(min(n, max(int(coff[r]), 0)))           # a valid snapshot's runs cover num_cells exactly
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    i = np.arange(min(max(s["num_cells"], 0), max(int(coff[r]), 0)))   # a valid snapshot's runs cover num_cells
     run = np.clip(np.searchsorted(coff[1:r], i, side="right"), 0, r - 1)
     k = i - coff[run]
     v = first[run].astype(np.int64)

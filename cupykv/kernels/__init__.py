@@ -21,8 +21,8 @@ from ..staging import cuda_constants
 KERNEL_DIR = Path(__file__).resolve().parent
 OPTIONS = ("-std=c++17",)
 
-# Threads per block of every step kernel launch; cupykv_build_step and cupykv_step declare it as their
-# __launch_bounds__, and a launch with more threads than that would fail.
+# Threads per block of every step kernel launch; cupykv_build_step, cupykv_step and cupykv_step_inline declare
+# it as their __launch_bounds__, and a launch with more threads than that would fail.
 STEP_THREADS = 256
 
 # Snapshot words a cupykv_step_inline launch carries as its parameter: with the kernel's other parameters
