@@ -34,7 +34,7 @@ python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cu
 for part in $parts; do
   case $part in
     tests) run pytest timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider ;;
-    gpu-tests)   # the tests that touch the GPU (the rest is host-only and runs in CI)
+    gpu-tests)   # the tests that touch the GPU (the rest is host-only and runs in CI); GPU_TESTS_TIMEOUT (s)
       run pytest_gpu timeout ${GPU_TESTS_TIMEOUT:-360} python3 -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py \
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
           tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py tests/test_devices.py ;;
