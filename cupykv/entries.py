@@ -23,6 +23,12 @@ NONE = -1        # the entry holds nothing the next step can use (a context's ta
 PADDING = -2     # a padding row of a fixed-size batch, written BAD
 
 
+def most_rebuilt(live: int) -> int:
+    """The most entries a DELTA step of `live` entries rebuilds: advance() makes a step that would rebuild
+    more FULL (rebuilding more than half of the entries costs as much as writing them all)."""
+    return live // 2
+
+
 class EntryMap:
     """holder[e]: the row whose generation tables the output holds at entry e, current as of the last
     launched step, or NONE / PADDING; entry_of[row]: the entry the row was last written whole at (the
@@ -63,7 +69,7 @@ class EntryMap:
             rebuilt = (holder[:live] != want).nonzero()[0]
             if num_contexts:        # a context's tables change with every chunk (its blocks, its scratch)
                 rebuilt = np.concatenate((self._order[:num_contexts], rebuilt[rebuilt >= num_contexts]))
-            if 2 * len(rebuilt) > live:
+            if len(rebuilt) > most_rebuilt(live):
                 rebuilt = None
         # Rows of this batch held past it (an entry they were written at before) leave those entries: the
         # kernels write a row whole here and move its row_entry, so its cells stop going there.

@@ -23,6 +23,7 @@ from .args import accepted_counts, as_count, context_items, generation_tokens, r
 from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError)
+from .entries import most_rebuilt
 from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
@@ -372,10 +373,10 @@ class KVCacheManager:
             raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
                                  f"{self.max_steps_in_flight}); their finish events have not completed")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
-        # a DELTA step rebuilds at most half of its entries; the entries held past the batch, at most all
+        # the entries a DELTA step rebuilds, and those held past the batch (at most all the others)
         live = max(len(ctx_rows) + len(gen_rows), pad_to)
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
-                               live // 2, spec.max_batch - live)
+                               most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap, end,
                      new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
 

@@ -26,7 +26,7 @@ import numpy as np
 from .layout import BAD, NO_INDEX, Layout
 from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
                       pow2_buckets, snapshot_words)
-from .entries import EntryMap
+from .entries import EntryMap, most_rebuilt
 from .step import DeviceStep, Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
@@ -98,7 +98,7 @@ class StepPipeline:
         self.steady_batch_delta = steady_batch_delta
         self.mirrors = [Mirror(layout, be, rank) for rank, be in enumerate(self.backends)]
         P, rows = layout.num_groups, spec.max_batch
-        words = snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS, rows // 2, rows)
+        words = snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS, most_rebuilt(rows), rows)
         self.ring = SnapshotRing(self.backends, words, ring_slots, max_ring_slots, timeout_s)
         self.entries = EntryMap(rows, rows)     # which output entry holds which row (its one owner)
         self.force_full = False      # a launch failed part-way: the outputs may hold anything

@@ -31,7 +31,7 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
 Which entry holds which row: row_entry[row] (device) is the entry the step that last wrote the row whole
 put it at; a changed cell of `row` goes to entry e = row_entry[row] when this step's batch has the row
 there (e < live: copy_idx[e] == row, not a context) or held[e - live] == row. The host keeps the same map
-(pipeline.StepPipeline) and decides from it which entries a DELTA step rebuilds.
+(entries.EntryMap) and decides from it which entries a DELTA step rebuilds.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def run_values(run_coff: np.ndarray, values: np.ndarray):
     long = ((run_coff[1:] - run_coff[:-1]) >= FILL_MIN_RUN).nonzero()[0]
     # a run of BAD starts and ends on BAD (the runs of new slots a prefill writes do not), and as slots are
     # >= 0 it is all BAD when its largest value is
-    fills = [(r, start, end) for r, start, end in zip(long.tolist(), run_coff[long].tolist(), run_coff[long + 1].tolist())
+    bounds = zip(long.tolist(), run_coff[long].tolist(), run_coff[long + 1].tolist())
+    fills = [(r, start, end) for r, start, end in bounds
              if values[start] == BAD and values[end - 1] == BAD and np.maximum.reduce(values[start:end]) == BAD]
     if not fills:
         return run_coff[:-1], values
@@ -168,8 +169,8 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch (None:
-    none).
+    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); rebuilt: DELTA mode's
+    entries to write whole (None: none); held: the rows kept past the batch (None: none).
     """
     run_start, run_coff = runs_from_cells(cells)
     run_value, shipped = run_values(run_coff, values)
