@@ -127,6 +127,40 @@ struct StepArgs {
     int num_layers, num_groups, rows, max_batch, B, capacity, tpb, shared;
 };
 
+// The layers of group p (Layout.group_layers): layer(j) for j in [first, last).
+struct GroupLayers {
+    const int* layers;
+    int first, last;
+    __device__ __forceinline__ int layer(int j) const { return layers[j]; }
+};
+
+__device__ __forceinline__ GroupLayers layers_of(const StepArgs& a, int p)
+{
+    return {a.group_layers + a.num_groups + 1, a.group_layers[p], a.group_layers[p + 1]};
+}
+
+// The output planes of group p's tables: plane(j) for j in [first, last), and the K offset koff(j) its
+// pages get. PER_LAYER: the group's layers, each with its own offset; SHARED: plane p alone, offset 0 (K =
+// base * scale, V = K + 1; the consumer adds the layer's offset).
+struct TablePlanes {
+    GroupLayers g;
+    const int* layer_koff;
+    int p;
+    bool shared;
+    __device__ __forceinline__ int plane(int j) const { return shared ? p : g.layer(j); }
+    __device__ __forceinline__ int koff(int j) const { return shared ? 0 : layer_koff[g.layer(j)]; }
+};
+
+__device__ __forceinline__ TablePlanes table_planes(const StepArgs& a, int p)
+{
+    TablePlanes t{layers_of(a, p), a.layer_koff, p, a.shared != 0};
+    if (t.shared) {
+        t.g.first = 0;
+        t.g.last = 1;
+    }
+    return t;
+}
+
 // The context scratch range and slots of batch entry s in group p (an empty range for generation entries).
 struct Scratch {
     int beg = 0, end = 0;
@@ -201,12 +235,10 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
         }
         const int scale = a.group_scale[p];
         const int null = a.group_null[p];
-        const int* layers = a.group_layers + a.num_groups + 1;
-        const int first = a.shared ? 0 : a.group_layers[p], last = a.shared ? 1 : a.group_layers[p + 1];
-        for (int j = first + part; j < last; j += split) {
-            const int plane = a.shared ? p : layers[j];
-            // SHARED: K = base * scale, V = K + 1, no scratch; the consumer adds the layer's offset.
-            const int off = a.shared ? 0 : a.layer_koff[plane];
+        const TablePlanes planes = table_planes(a, p);     // SHARED: no scratch either
+        for (int j = planes.g.first + part; j < planes.g.last; j += split) {
+            const int plane = planes.plane(j);
+            const int off = planes.koff(j);
             const int4 kq = make_int4(per_layer_entry(base.x, null, b0 + 0, sc.beg, sc.end, sc.slots, scale, off),
                                       per_layer_entry(base.y, null, b0 + 1, sc.beg, sc.end, sc.slots, scale, off),
                                       per_layer_entry(base.z, null, b0 + 2, sc.beg, sc.end, sc.slots, scale, off),
@@ -261,11 +293,10 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
         const int base = d.value;
         const int scale = a.group_scale[p];
         const int null = a.group_null[p];
-        const int* layers = a.group_layers + a.num_groups + 1;
-        const int first = a.shared ? 0 : a.group_layers[p], last = a.shared ? 1 : a.group_layers[p + 1];
-        for (int j = first; j < last; ++j) {
-            const int plane = a.shared ? p : layers[j];
-            const int off = a.shared ? 0 : a.layer_koff[plane];
+        const TablePlanes planes = table_planes(a, p);
+        for (int j = planes.g.first; j < planes.g.last; ++j) {
+            const int plane = planes.plane(j);
+            const int off = planes.koff(j);
             int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b;
             dst[0] = table_entry(base, null, scale, off);
             dst[a.B] = table_entry(base, null, scale, off + 1);
@@ -328,9 +359,9 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
         Scratch sc;
         if (!a.shared)
             sc = scratch_of(snap, p, s);
-        const int* layers = a.group_layers + a.num_groups + 1;
-        for (int j = a.group_layers[p]; j < a.group_layers[p + 1]; ++j) {
-            const int l = layers[j];
+        const GroupLayers g = layers_of(a, p);
+        for (int j = g.first; j < g.last; ++j) {
+            const int l = g.layer(j);
             const int off = a.layer_koff[l];
             // SHARED: the K page with the layer's offset; PER_LAYER: scratch blocks of contexts too.
             const int page = a.shared ? slot_entry(base, scale, off)
