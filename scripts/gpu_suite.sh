@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions]
+# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -95,6 +95,9 @@ for part in $parts; do
           gpt-oss-120b 131072 256 6
       cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
+    census)   # what a decode step executes (Python calls, C calls, bytecodes) and its host time, b1 and b256
+      for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
+      cat "$OUT/census.log" ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
     profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice;

@@ -1,7 +1,12 @@
 """The manager's own host cost per decode step: the host backend with its queued work replaced by no-ops.
 
-    python scripts/profile_manager.py [--batch N] [--lines]     (--lines needs line_profiler; batch 256 by default)
+    python scripts/profile_manager.py [--batch N] [--lines] [--census]     (batch 256 by default)
+
+--lines: line_profiler over the step's main functions (needs line_profiler). --census: what one step
+(prepare_batch, finish, settle) executes: Python function calls, calls of C functions (builtins and
+numpy's methods; numpy's operators and indexing are not calls and are not counted), and bytecodes.
 """
+import collections
 import sys
 import time
 
@@ -83,6 +88,43 @@ def timed_decode_step(mgr, rids):
     return t1 - t0, t3 - t2, s
 
 
+def decode_step(mgr, rids) -> None:
+    s = mgr.prepare_batch((), rids)
+    s.finish()
+    mgr.settle(s)
+
+
+def census(step, steps: int = 20) -> None:
+    """Print what `step` executes per call, averaged over `steps` calls: Python function calls and C calls
+    (sys.setprofile), bytecodes (sys.settrace with opcode events; each run alone, as tracing slows it)."""
+    calls, c_calls, opcodes = collections.Counter(), collections.Counter(), [0]
+
+    def on_call(frame, event, arg):
+        if event == "call":
+            calls[frame.f_code.co_name] += 1
+        elif event == "c_call":
+            c_calls[getattr(arg, "__qualname__", repr(arg))] += 1
+
+    def on_opcode(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            opcodes[0] += 1
+        return on_opcode
+
+    for hook, setter in ((on_call, sys.setprofile), (on_opcode, sys.settrace)):
+        setter(hook)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            setter(None)
+    c_calls.pop("setprofile", None)
+    c_calls.pop("settrace", None)
+    print(f"census per step: {sum(calls.values()) / steps:.0f} Python calls, {sum(c_calls.values()) / steps:.0f} "
+          f"C calls, {opcodes[0] / steps:.0f} bytecodes (Python {sys.version.split()[0]})")
+    print("  C calls:", ", ".join(f"{name} {n / steps:g}" for name, n in c_calls.most_common(12)))
+
+
 def main():
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
     mgr = make_manager(batch)
@@ -94,6 +136,8 @@ def main():
         ts.append(settle)
     print(f"batch {len(rids)} decode: prepare_batch median {np.median(tp) * 1e6:.0f} us, "
           f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
+    if "--census" in sys.argv:
+        census(lambda: decode_step(mgr, rids))
     if "--lines" in sys.argv:
         from line_profiler import LineProfiler
         from cupykv import manager, pipeline, staging
