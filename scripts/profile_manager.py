@@ -96,7 +96,8 @@ def decode_step(mgr, rids) -> None:
 
 def census(step, steps: int = 20) -> None:
     """Print what `step` executes per call, averaged over `steps` calls: Python function calls and C calls
-    (sys.setprofile), bytecodes (sys.settrace with opcode events; each run alone, as tracing slows it)."""
+    (sys.setprofile), then bytecodes in separate calls (instruction events: sys.monitoring from Python
+    3.12, where sys.settrace no longer reports opcodes, sys.settrace before)."""
     calls, c_calls, opcodes = collections.Counter(), collections.Counter(), [0]
 
     def on_call(frame, event, arg):
@@ -111,15 +112,27 @@ def census(step, steps: int = 20) -> None:
             opcodes[0] += 1
         return on_opcode
 
-    for hook, setter in ((on_call, sys.setprofile), (on_opcode, sys.settrace)):
-        setter(hook)
+    def run(start, stop):
+        start()
         try:
             for _ in range(steps):
                 step()
         finally:
-            setter(None)
+            stop()
+
+    run(lambda: sys.setprofile(on_call), lambda: sys.setprofile(None))
     c_calls.pop("setprofile", None)
-    c_calls.pop("settrace", None)
+    mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        run(lambda: sys.settrace(on_opcode), lambda: sys.settrace(None))
+    else:
+        tool = mon.PROFILER_ID
+        mon.use_tool_id(tool, "census")
+        mon.register_callback(tool, mon.events.INSTRUCTION, lambda code, offset: opcodes.__setitem__(0, opcodes[0] + 1))
+        try:
+            run(lambda: mon.set_events(tool, mon.events.INSTRUCTION), lambda: mon.set_events(tool, 0))
+        finally:
+            mon.free_tool_id(tool)
     print(f"census per step: {sum(calls.values()) / steps:.0f} Python calls, {sum(c_calls.values()) / steps:.0f} "
           f"C calls, {opcodes[0] / steps:.0f} bytecodes (Python {sys.version.split()[0]})")
     print("  C calls:", ", ".join(f"{name} {n / steps:g}" for name, n in c_calls.most_common(12)))

@@ -8,6 +8,7 @@ package imports on machines without a GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -266,6 +267,17 @@ def apply_grid(num_cells: Optional[int]) -> int:
     return min(-(-hint // STEP_THREADS), APPLY_MAX_BLOCKS)
 
 
+@functools.lru_cache(maxsize=4096)
+def fused_grid(shape: tuple, mode: int, num_entries: Optional[int], num_cells: Optional[int],
+               num_tokens: Optional[int]) -> tuple:
+    """(apply, table, position) blocks of a cupykv_step launch: apply_grid (none without changed cells) and
+    step_grid for a plan's shape (planes, groups, max_blocks, max_batch, capacity) and a step's counts.
+    Cached, as a pure function: a step's counts are mostly the last one's, and the lookup costs a launch
+    less Python than the arithmetic."""
+    table, pos = step_grid(*shape, mode, num_entries, num_cells, num_tokens)
+    return (0 if num_cells == 0 else apply_grid(num_cells)), table, pos
+
+
 class ParamBytes:
     """A by-value kernel parameter read from host memory at `address`: PackedLaunch passes the address itself
     as the parameter's pointer, so the driver copies the parameter's bytes from there when it enqueues the
@@ -415,10 +427,7 @@ class CudaStepPlan(StepPlan):
         apply blocks. inline: the snapshot in the launch's parameters (words <= inline_words), no copy."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
-        planes, groups, max_blocks, max_batch, capacity = self._grid
-        table, pos = step_grid(planes, groups, max_blocks, max_batch, capacity, mode, num_entries, num_cells,
-                               num_tokens)
-        apply = 0 if num_cells == 0 else apply_grid(num_cells)
+        apply, table, pos = fused_grid(self._grid, mode, num_entries, num_cells, num_tokens)
         if inline:
             launch, copy = self._inline, 0
         else:
