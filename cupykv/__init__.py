@@ -10,6 +10,10 @@ from .manager import KVCacheManager, Request
 from .step import Step
 from .spec import CacheSpec
 from .backends import cuda_available
+from . import host_tier, interop, storage      # cupykv.storage.KVStorage etc. after `import cupykv`
+from .host_tier import HostTierFullError
+from .interop import InteropUnavailableError
+from .storage import StorageDtypeError
 
 __version__ = "0.1.0"
 
@@ -17,5 +21,5 @@ __all__ = [
     "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
     "CupykvError", "InvalidSpecError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
-    "BackendUnavailableError",
+    "BackendUnavailableError", "HostTierFullError", "InteropUnavailableError", "StorageDtypeError",
 ]

@@ -84,6 +84,8 @@ def accepted_counts(accepted, request_ids: Sequence, scheduled: np.ndarray, num_
         raise InvalidRequestError(f"accepted={accepted!r}: pass None, a mapping request id -> accepted "
                                   f"tokens, or one count per batch entry")
     else:
+        if isinstance(accepted, np.ndarray) and accepted.ndim != 1:
+            raise InvalidRequestError(f"accepted: one count per batch entry, got an array of shape {accepted.shape}")
         vals = accepted.tolist() if isinstance(accepted, np.ndarray) else list(accepted)
         if len(vals) != len(scheduled):
             raise InvalidRequestError(f"accepted has {len(vals)} entries; step {step_id} has {len(scheduled)}")
@@ -105,8 +107,10 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     if arr.ndim != 1 or len(arr) != length:
         raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        if arr.dtype.kind != "O" or not all(is_count(t) for t in arr):
-            raise InvalidRequestError(f"{what}: token ids must be ints (got dtype {arr.dtype})")
+        bad = next((t for t in arr if not is_count(t)), None) if arr.dtype.kind == "O" else arr.dtype
+        if bad is not None:
+            got = f"dtype {bad}" if bad is arr.dtype else f"{bad!r}, a {type(bad).__name__}"
+            raise InvalidRequestError(f"{what}: token ids must be ints (got {got})")
     try:
         out = arr.astype(np.int64, casting="safe") if arr.dtype.kind in "iu" and arr.dtype != np.uint64 else None
         if out is None:

@@ -24,8 +24,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .args import as_count
 from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import BAD
+from .step import DeviceStep
 
 __all__ = ["InteropUnavailableError", "to_torch", "tables_to_torch", "write_positions_to_torch",
            "pages_to_torch", "finish_on_torch", "cupy_stream", "CsrViews", "CsrBuffers", "csr_views"]
@@ -277,17 +279,13 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     lay, be = step.layout, step.backend
     shared = lay.spec.table_mode == "shared"
     if layer is not None:
-        if not 0 <= int(layer) < lay.num_layers:
-            raise InvalidRequestError(f"csr_views: layer {layer} out of range [0, {lay.num_layers})")
-        kind, index = "layer", int(layer)
+        kind, index = "layer", as_count(layer, "csr_views: layer", maximum=lay.num_layers - 1)
         g = int(lay.layer_group[index])
         plane = g if shared else index
         koff = int(lay.layer_koff[index]) if shared else 0
         row_koff = 0 if shared else int(lay.layer_koff[index])     # the K offset inside the table's cells
     else:
-        if not 0 <= int(group) < lay.num_groups:
-            raise InvalidRequestError(f"csr_views: group {group} out of range [0, {lay.num_groups})")
-        kind, index = "group", int(group)
+        kind, index = "group", as_count(group, "csr_views: group", maximum=lay.num_groups - 1)
         g = index
         plane = g if shared else lay.groups[g].layers[0]      # the group's first layer has K offset 0
         koff = row_koff = 0
@@ -333,9 +331,10 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
         pending, ready = be.download_async(indptr, st)
     views = CsrViews(step, kind, index, indptr, indices[:-1], last, last_host, seq_lens, ready, pending)
     # The arrays live at least as long as the step (a consumer on another stream may still read them
-    # after the caller dropped its references).
-    keep = getattr(step, "_interop_keep", None)
+    # after the caller dropped its references); a device's view (step.on(rank)) keeps them on its step.
+    owner = step.step if isinstance(step, DeviceStep) else step
+    keep = getattr(owner, "_interop_keep", None)
     if keep is None:
-        keep = step._interop_keep = []
+        keep = owner._interop_keep = []
     keep.append((indptr, indices, last))
     return views

@@ -98,6 +98,15 @@ class StepLedger:
                 return
             step.wait_finished(self.timeout_s)
 
+    def wait_for_in_flight(self, limit: int) -> None:
+        """Wait for finish events (oldest first) until fewer than `limit` in-flight steps are incomplete, each
+        wait up to timeout_s; changes nothing (poll lifts what completed)."""
+        k = self.completed_count()
+        for step in self.in_flight[k:]:
+            if len(self.in_flight) - k < limit or not step.wait_finished(self.timeout_s):
+                return
+            k += 1
+
     def wait_all(self) -> None:
         for step in list(self.in_flight):
             step.wait_finished(self.timeout_s)

@@ -107,7 +107,8 @@ class KVCacheManager:
         the live host table; it exists only to prove that the race tests catch the race; never use it).
     ring_slots / max_ring_slots / staging_timeout_s: the pinned snapshot ring's initial size, bound, and
         how long a host wait (a ring slot, a finish event) may take before it is an error.
-    max_steps_in_flight: prepared steps whose finish event has not completed; more is an error.
+    max_steps_in_flight: prepared steps whose finish event has not completed; a prepare_batch beyond it
+        waits for the oldest ones (up to staging_timeout_s each), and is an error if they do not complete.
     debug_verify_mirror: after each prepare, wait and check the device mirror against the host table.
     use_graphs: run each step's device work (snapshot copy, delta apply, tables and write positions; one
         kernel launch on CUDA) as a CUDA graph replay per ring slot, mode and bucket instead.
@@ -368,10 +369,14 @@ class KVCacheManager:
                     raise OutOfSlotsError(
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
                         f"{ledger.available(p)} free, {pool.num_quarantined} quarantined by unfinished steps")
-        if (len(ledger.in_flight) >= self.max_steps_in_flight
-                and len(ledger.in_flight) - ledger.completed_count() >= self.max_steps_in_flight):
-            raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
-                                 f"{self.max_steps_in_flight}); their finish events have not completed")
+        if len(ledger.in_flight) >= self.max_steps_in_flight:
+            # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
+            # when waited on): wait for them as for slots, and fail only if they do not complete in time
+            ledger.wait_for_in_flight(self.max_steps_in_flight)
+            if len(ledger.in_flight) - ledger.completed_count() >= self.max_steps_in_flight:
+                raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
+                                     f"{self.max_steps_in_flight}); the oldest finish events did not complete "
+                                     f"within staging_timeout_s={ledger.timeout_s}")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         # the entries a DELTA step rebuilds, and those held past the batch (at most all the others)
         live = max(len(ctx_rows) + len(gen_rows), pad_to)

@@ -11,7 +11,7 @@ from typing import Hashable, List, Optional
 
 import numpy as np
 
-from .errors import StepOrderError
+from .errors import InvalidRequestError, StepOrderError
 
 
 class StepOutputs:
@@ -83,6 +83,9 @@ class DeviceStep:
         if self.finished is not None:
             raise StepOrderError(f"step {self.step.id} was already finished on device {self.rank}")
         be = self.backend
+        if stream is not None and not be.is_stream(stream):
+            raise InvalidRequestError(f"step {self.step.id}: finish(stream={stream!r}): not a stream of the {be.name} "
+                                      "backend (for a torch stream: cupykv.interop.finish_on_torch)")
         self.finished = be.record(stream if stream is not None else be.stream)
 
     def is_complete(self) -> bool:

@@ -254,9 +254,7 @@ class KVStorage:
         if not step.is_current:
             raise StepOrderError(f"KVStorage.write: step {step.id} is not the latest prepared step; its write "
                                  "positions were overwritten by a later prepare_batch")
-        if not 0 <= int(layer) < self.layout.num_layers:
-            raise InvalidRequestError(f"KVStorage.write: layer {layer} out of range [0, {self.layout.num_layers})")
-        layer = int(layer)
+        layer = as_count(layer, "KVStorage.write: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
         want = (n, self.num_kv_heads, self.head_dim)
         sources = []
@@ -306,19 +304,20 @@ class KVStorage:
         backend this waits for it."""
         be = self.backend
         step = self._view(step)
+        layer = as_count(layer, "KVStorage.gather: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
         st = be.stream if stream is None else self._stream(stream)
         # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
-        dst = self.layer_pages(int(layer)).view(self._words)
+        dst = self.layer_pages(layer).view(self._words)
         # A token whose write page is BAD was not written (errors() counts it): its values here are
         # undefined (index -1 reads the last page).
         if self.xp is np:
             st.synchronize()
-            p = step.write_pages[int(layer), :n].astype(np.int64)
+            p = step.write_pages[layer, :n].astype(np.int64)
             o = step.write_offsets[:n].astype(np.int64)
             return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
         with be.device_context(), st:
-            p = step.write_pages[int(layer), :n]
+            p = step.write_pages[layer, :n]
             o = step.write_offsets[:n]
             return dst[p, o].view(self.dtype), dst[p + 1, o].view(self.dtype)
 

@@ -251,6 +251,8 @@ def test_accepted_out_of_range():
     expect_fail(mgr, InvalidRequestError, ["'A'"], lambda: mgr.settle(step, accepted={"A": 1.5}))
     expect_fail(mgr, InvalidRequestError, ["'B'", "whole"], lambda: mgr.settle(step, accepted={"B": 8}))
     expect_fail(mgr, InvalidRequestError, ["1 entries", "2"], lambda: mgr.settle(step, accepted=[2]))
+    expect_fail(mgr, InvalidRequestError, ["one count per batch entry", "(1, 2)"],
+                lambda: mgr.settle(step, accepted=np.array([[16, 1]])))
     expect_fail(mgr, InvalidRequestError, ["'A'", "accepted=5"], lambda: mgr.settle(step, accepted=[16, 5]))
     mgr.settle(step, accepted=[16, 1])
     mgr.synchronize()
@@ -297,6 +299,51 @@ def test_prepare_before_previous_step_finished():
     s0.finish()
     mgr.settle(s0)
     run_step(mgr, contexts={"B": 20})
+
+
+def test_finish_on_something_that_is_not_a_stream():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    step = mgr.prepare_batch(contexts={"A": 20})
+    for bad in ("x", 0, object()):
+        expect_fail(mgr, cupykv.InvalidRequestError, ["finish(stream=", "not a stream of the host backend"],
+                    lambda: step.finish(bad))
+        assert not step.is_finished()
+    step.finish(mgr.backend.new_stream())
+    mgr.settle(step)
+    run_step(mgr, generation=["A"])
+
+
+def test_steps_past_max_in_flight_wait_for_the_oldest():
+    """A loop that never waits on the host (prepare, finish, settle, prepare again) runs past
+    max_steps_in_flight: prepare_batch waits for the oldest finish events, as for ring slots and
+    quarantined slots (a GPU completes them by itself; the host backend runs its queued work when waited
+    on), and never holds more steps in flight than the bound."""
+    mgr = KVCacheManager(CacheSpec(**SPEC), backend="host", max_steps_in_flight=np.int32(3))
+    prefilled(mgr, "A", 20)
+    for _ in range(12):
+        step = mgr.prepare_batch(generation=["A"])
+        assert len(mgr.ledger.in_flight) <= 3
+        table = mgr.table.copy()
+        step.finish()
+        mgr.settle(step)
+    mgr.synchronize()
+    assert (mgr.backend.to_numpy(mgr.out)[:, :1] == expected_tables(mgr, table, step)).all()
+    check_invariants(mgr)
+
+
+def test_steps_past_max_in_flight_fail_when_the_oldest_cannot_finish():
+    mgr = KVCacheManager(CacheSpec(**SPEC), backend="host", max_steps_in_flight=2, staging_timeout_s=0.01)
+    prefilled(mgr, "A", 20)
+    gate = mgr.backend.gate(mgr.backend.stream)      # holds every finish event recorded after it
+    for _ in range(2):
+        step = mgr.prepare_batch(generation=["A"])
+        step.finish()
+        mgr.settle(step)
+    expect_fail(mgr, StepOrderError, ["2 steps are in flight", "max_steps_in_flight=2", "staging_timeout_s=0.01"],
+                lambda: mgr.prepare_batch(generation=["A"]))
+    gate.open()
+    run_step(mgr, generation=["A"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -576,7 +623,8 @@ PROMPT = list(range(100, 140))          # 40 tokens: 2 full blocks of 16
     (np.array(PROMPT, np.float32), ["'Z'", "tokens", "float32"]),
     ("x" * 40, ["'Z'", "tokens", "str"]),
     (b"x" * 40, ["'Z'", "tokens", "bytes"]),
-    ([str(t) for t in PROMPT], ["'Z'", "tokens"]),
+    ([str(t) for t in PROMPT], ["'Z'", "tokens", "a str"]),
+    (PROMPT[:39] + [1.5], ["'Z'", "tokens", "1.5, a float"]),
     (PROMPT[:39] + [None], ["'Z'", "tokens"]),
     (PROMPT[:39] + [True], ["'Z'", "tokens"]),
     (np.array(PROMPT, bool), ["'Z'", "tokens"]),

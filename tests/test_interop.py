@@ -58,8 +58,8 @@ def reference_csr(mgr, table, step, plane, koff, rows_from="layer"):
     return np.array(indptr, np.int32), np.array(indices, np.int32), np.array(last, np.int32)
 
 
-def check_csr(mgr, csr, table, step, plane, koff):
-    be = mgr.backend
+def check_csr(mgr, csr, table, step, plane, koff, rank=0):
+    be = mgr.backends[rank]
     want_ptr, want_idx, want_last = reference_csr(mgr, table, step, plane, koff)
     assert np.array_equal(csr.indptr_host, want_ptr)
     assert np.array_equal(csr.last_page_len_host, want_last)
@@ -116,6 +116,25 @@ def test_csr_views_against_reference(backend_name, mode, fixed, null_slot):
         assert seen["refused"] > 0
 
 
+def test_csr_views_of_each_device(backend_name):
+    """A device's view of a step (step.on(rank)) goes to csr_views as the step does: each device's lists,
+    from its own tables, against the reference."""
+    from test_devices import two_devices
+    mgr = cupykv.KVCacheManager(make_mgr(backend_name, "per_layer_sinks").spec, backend=backend_name,
+                                devices=two_devices(backend_name))
+    lay, checked = mgr.layout, [0, 0]
+
+    def on_step(step, table, starts):
+        for rank in range(len(mgr.devices)):
+            view = step.on(rank)
+            for layer in range(lay.num_layers):     # layer lists: defined with scratch blocks too
+                check_csr(mgr, csr_views(view, layer=layer), table, view, layer, 0, rank)
+            checked[rank] += 1
+
+    drive(mgr, on_step, num_steps=12)
+    assert checked[0] == checked[1] > 5
+
+
 def test_csr_views_argument_errors():
     mgr = make_mgr("host", "shared")
     mgr.add("a", 20)
@@ -124,8 +143,12 @@ def test_csr_views_argument_errors():
         csr_views(step)
     with pytest.raises(cupykv.InvalidRequestError, match="exactly one"):
         csr_views(step, 0, layer=0)
-    with pytest.raises(cupykv.InvalidRequestError, match="out of range"):
+    with pytest.raises(cupykv.InvalidRequestError, match=r"group=7 must be in \[0, 1\]"):
         csr_views(step, 7)
+    for bad in (1.7, True, "1", -1):
+        with pytest.raises(cupykv.InvalidRequestError, match="layer="):
+            csr_views(step, layer=bad)
+    csr_views(step, layer=np.int64(1)).ready.synchronize()     # numpy ints are counts
     step.finish()
     mgr.settle(step)
     mgr.prepare_batch((), ["a"])

@@ -235,14 +235,19 @@ def test_storage_write_validation():
     step = mgr.prepare_batch({"a": 10})
     with pytest.raises(cupykv.InvalidRequestError, match="shape"):
         st.write(step, 0, np.zeros((9, 2, 4), np.float32), np.zeros((10, 2, 4), np.float32))
-    with pytest.raises(cupykv.InvalidRequestError, match="layer"):
-        st.write(step, 99, np.zeros((10, 2, 4), np.float32), np.zeros((10, 2, 4), np.float32))
+    for bad in (99, -1, 1.7, True, "1"):
+        with pytest.raises(cupykv.InvalidRequestError, match="write: layer="):
+            st.write(step, bad, np.zeros((10, 2, 4), np.float32), np.zeros((10, 2, 4), np.float32))
+        with pytest.raises(cupykv.InvalidRequestError, match="gather: layer="):
+            st.gather(step, bad)
     step.finish()
     mgr.settle(step)
     step2 = mgr.prepare_batch((), ["a"])
     with pytest.raises(cupykv.StepOrderError, match="latest"):
         st.write(step, 0, np.zeros((10, 2, 4), np.float32), np.zeros((10, 2, 4), np.float32))
-    st.write(step2, 0, np.ones((1, 2, 4), np.float32), np.ones((1, 2, 4), np.float32))
+    st.write(step2, np.int32(0), np.ones((1, 2, 4), np.float32), np.ones((1, 2, 4), np.float32))
+    k, v = st.gather(step2, np.uint8(0))
+    assert (k == 1).all() and (v == 1).all()
     step2.finish()
     mgr.synchronize()
     assert st.errors() == 0

@@ -522,6 +522,11 @@ class CudaBackend:
         return DeviceScope(self.device_id)
 
     # -- streams and events --------------------------------------------------------------------
+    @staticmethod
+    def is_stream(obj) -> bool:
+        """Whether obj is a stream this backend can enqueue on (a CuPy stream, or an external one)."""
+        return isinstance(obj, (cupy.cuda.Stream, cupy.cuda.ExternalStream))
+
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
         """A non-blocking stream (so nothing is implicitly ordered with the legacy default stream)."""
         with self.device_context():

@@ -128,6 +128,11 @@ class HostBackend:
         self.pinned_pool = SimPinnedPool()
 
     # streams and events
+    @staticmethod
+    def is_stream(obj) -> bool:
+        """Whether obj is a stream this backend can enqueue on (a simulated stream)."""
+        return isinstance(obj, SimStream)
+
     def new_stream(self, name: str = "stream") -> SimStream:
         return SimStream(self.device, name)
 
