@@ -95,8 +95,10 @@ for part in $parts; do
           gpt-oss-120b 131072 256 6
       cat "$OUT/dram_ab.log" ;;
     profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
-    census)   # what a decode step executes (Python calls, C calls, bytecodes) and its host time, b1 and b256
+    census)   # what a decode step executes (Python calls, C calls, bytecodes) and its host time, b1 and b256,
+              # then the floor of that step's host work in CPython (scripts/host_floor.py) beside the manager's
       for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
+      timeout 120 python3 scripts/host_floor.py 1 256 >>"$OUT/census.log" 2>&1
       cat "$OUT/census.log" ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
