@@ -75,12 +75,13 @@ class HostTier:
         after = mgr.residence.check_detach(rid)
         resident = mgr.residence.resident_blocks(rid)
         self._poll()
-        short = [p for p, (b, _) in enumerate(resident)
-                 if len(b) > len(self._free[p]) + (len(self.cache.host_hash_of[p]) if self.cache else 0)]
+        cached = [len(self.cache.host_hash_of[p]) if self.cache else 0 for p in range(len(resident))]
+        short = [p for p, (b, _) in enumerate(resident) if len(b) > len(self._free[p]) + cached[p]]
         if short:
             p = short[0]
             raise HostTierFullError(f"request {rid!r}: group {p} needs {len(resident[p][0])} host slots; "
-                                    f"{len(self._free[p])} free (the request stays resident)")
+                                    f"{len(self._free[p])} free and {cached[p]} holding cached blocks that "
+                                    "would make way (the request stays resident)")
         # -- nothing has changed so far --
         host = [np.array([self._take(p) for _ in range(len(b))], np.int64) for p, (b, _) in enumerate(resident)]
         if after is not None:
@@ -113,6 +114,11 @@ class HostTier:
         """A free host slot of group p for an evicted cached block, or None."""
         self._poll()
         return self._free[p].pop() if self._free[p] else None
+
+    def release_cache_slot(self, p: int, host_slot: int) -> None:
+        """A cached block's host slot is free again (the cache dropped the block without reading it). Any
+        copy still writing it runs on the tier stream, before every later copy into it."""
+        self._free[p].append(host_slot)
 
     def copy_out(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray):
         """Copy device slots (evictable: their quarantine has lifted) to host slots; returns the event."""

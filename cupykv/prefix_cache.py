@@ -128,7 +128,8 @@ class PrefixCache:
 
     def _evicted(self, p: int, slots: np.ndarray) -> None:
         """Cached device slots were handed to a new owner: their blocks go to the host tier when it takes
-        them (least recently cached host blocks make way), else they leave the cache."""
+        them (least recently cached host blocks make way), else they leave the cache. Relies on a hash
+        being named in at most one of by_hash[p] and host_by_hash[p] (publish and bring_back keep it so)."""
         if self.host is None:
             self._forget(p, slots)
             return
@@ -205,7 +206,7 @@ class PrefixCache:
         full = min(history // self.tpb, len(seq.hashes))
         if full <= min(seq.published):
             return
-        for p, (table, pool) in enumerate(zip(self.by_hash, self.pools)):
+        for p, (table, pool, host) in enumerate(zip(self.by_hash, self.pools, self.host_by_hash)):
             for b in range(seq.published[p], full):
                 slot = int(cells[p][b])
                 h = seq.hashes[b]
@@ -213,7 +214,12 @@ class PrefixCache:
                     table[h] = slot
                     self.hash_of[p][slot] = h
                     pool.hashed[slot] = True
-                    self.events.append((STORED, p, h))
+                    hs = host.pop(h, None)
+                    if hs is None:
+                        self.events.append((STORED, p, h))
+                    else:       # computed again while cached on the host: the device copy takes its place
+                        del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
+                        self.host.release_cache_slot(p, hs)
             seq.published[p] = full
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,

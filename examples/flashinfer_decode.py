@@ -155,7 +155,8 @@ class FlashInferModel:
                         pos = torch.arange(int(step.start_positions[s]), N, device="cuda")
                         want = dense_attention(torch, q[cu[s]:cu[s + 1]].float(), self.K[layer, rid][:N],
                                                self.V[layer, rid][:N], pos, g.window)
-                        err = float((out[cu[s]:cu[s + 1]].float() - want).abs().max())
+                        diff = (out[cu[s]:cu[s + 1]].float() - want).abs()
+                        err = float(diff.nan_to_num(nan=float("inf")).max())        # a NaN is a failure
                         self.worst = max(self.worst, err)
                         if err > ATOL[self.dtype]:
                             self.failures.append(f"step {step.id} layer {layer} entry {s}: max error {err:.4g}")

@@ -113,3 +113,50 @@ def test_host_hits_need_free_device_slots(backend_name):
     before = mgr.stats()["groups"][1]["free"]
     assert mgr.add("b", 48, tokens=a + [1] * 8) == 0         # c holds every full-attention slot
     assert mgr.stats()["groups"][1]["free"] == before
+
+
+def check_cache_maps(mgr):
+    """The cache's own invariant, against its maps: a hash names at most one block, on the device or on
+    the host; each map and its inverse agree; the host tier counts the host blocks the cache names."""
+    pc = mgr.cache
+    for p in range(mgr.layout.num_groups):
+        dev, host = pc.by_hash[p], pc.host_by_hash[p]
+        assert not set(dev) & set(host), "a hash cached on the device and on the host"
+        assert {h: s for s, h in pc.hash_of[p].items()} == dev
+        assert {h: hs for hs, h in pc.host_hash_of[p].items()} == host
+    stats = mgr.stats()
+    assert ([g["host_blocks"] for g in stats["prefix_cache"]["groups"]] ==
+            [g["cached"] for g in stats["host_tier"]["groups"]])
+
+
+def test_a_block_computed_again_while_cached_on_the_host(backend_name):
+    """A request that hits only part of a host-cached prefix (the hit stays below its prompt length)
+    computes the rest again: the fresh device block takes the host copy's place (one hash, one block,
+    no second "stored" event), and later evictions, hits and KV stay right (before, the hash was named on
+    both, a second eviction left the host maps disagreeing, and a later allocation raised KeyError)."""
+    spec = cupykv.CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=128,
+                            max_batch=4, slots_per_group=4, prefix_caching=True, prefix_retention="all",
+                            dtype="float32")
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    storage = KVStorage(mgr, host_tier_bytes=8 * (2 * TPB * 4 * 4))   # 8 host slots (K and V, 4 fp32 a token)
+    a = list(range(100, 117))                              # 2 full blocks and a token
+    stored = {}
+
+    def run(rid, tokens):
+        n = prefill(mgr, storage, rid, tokens)
+        assert cached_kv_matches(mgr, storage, rid, tokens, len(tokens) // TPB * TPB)
+        mgr.free(rid)
+        mgr.reclaim(wait=True)
+        for kind, g, h in mgr.drain_cache_events():      # stored and removed alternate per hash
+            assert stored.get((g, h), False) != (kind == "stored"), (kind, h)
+            stored[(g, h)] = kind == "stored"
+        check_cache_maps(mgr)
+        return n
+
+    assert run("a", a) == 0
+    assert run("c", list(range(500, 525))) == 0             # 4 slots: a's blocks go to the host tier
+    assert mgr.stats()["prefix_cache"]["groups"][0]["host_blocks"] == 2
+    assert run("d", a[:16]) == TPB                          # block 0 from the host; block 1 computed again
+    for i in range(6):           # churn: d's blocks and the others evicted to the host tier, until it is full
+        run(f"x{i}", list(range(200 + 40 * i, 225 + 40 * i)))
+        run(f"a{i}", a)          # a hit on whatever of a's prefix is still cached, with the right KV
