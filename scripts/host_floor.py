@@ -139,14 +139,23 @@ class Floor:
             self.top += len(freed)
 
 
-def median_us(fn, steps: int = 600, skip: int = 100) -> float:
-    ts = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        if i >= skip:
-            ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e6
+def timed_floor_step(floor: Floor) -> tuple:
+    """One floor step: (prepare seconds, settle seconds), as profile_manager.timed_decode_step times the
+    manager's."""
+    t0 = time.perf_counter()
+    rows, _ = floor.prepare()
+    t1 = time.perf_counter()
+    floor.finish()
+    t2 = time.perf_counter()
+    floor.settle(rows)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2
+
+
+def medians_us(timed, steps: int = 600, skip: int = 100) -> list:
+    """Median prepare and settle microseconds over `steps` calls of `timed` (the first `skip` not counted)."""
+    times = [timed()[:2] for _ in range(steps)][skip:]
+    return [float(np.median(t)) * 1e6 for t in zip(*times)]
 
 
 def main():
@@ -156,40 +165,16 @@ def main():
     except Exception:  # noqa: BLE001  (no CuPy or no driver: the numpy part alone)
         cuda = False
     sys.path.insert(0, "scripts")
-    from profile_manager import make_manager
+    from profile_manager import make_manager, timed_decode_step
     for batch in [int(a) for a in sys.argv[1:]] or [1, 256]:
         floor = Floor(batch, cuda)
-        times = {"prepare": [], "settle": []}
-        for i in range(600):
-            t0 = time.perf_counter()
-            rows, _ = floor.prepare()
-            t1 = time.perf_counter()
-            floor.finish()
-            t2 = time.perf_counter()
-            floor.settle(rows)
-            t3 = time.perf_counter()
-            if i >= 100:
-                times["prepare"].append(t1 - t0)
-                times["settle"].append(t3 - t2)
+        fp, fs = medians_us(lambda: timed_floor_step(floor))
         # the manager's step on the host backend (its device work as no-ops), on the same host
         mgr, ids = make_manager(batch), list(range(batch))
-        mt = {"prepare": [], "settle": []}
-        for i in range(600):
-            t0 = time.perf_counter()
-            s = mgr.prepare_batch((), ids)
-            t1 = time.perf_counter()
-            s.finish()
-            t2 = time.perf_counter()
-            mgr.settle(s)
-            t3 = time.perf_counter()
-            if i >= 100:
-                mt["prepare"].append(t1 - t0)
-                mt["settle"].append(t3 - t2)
-        med = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
-        mmed = {k: float(np.median(v)) * 1e6 for k, v in mt.items()}
-        print(f"batch {batch}: floor prepare {med['prepare']:.1f} us ({'with' if cuda else 'without'} its CUDA "
-              f"calls), settle {med['settle']:.1f} us; the manager (host backend, no device work) prepare "
-              f"{mmed['prepare']:.1f} us, settle {mmed['settle']:.1f} us")
+        mp, ms = medians_us(lambda: timed_decode_step(mgr, ids))
+        print(f"batch {batch}: floor prepare {fp:.1f} us ({'with' if cuda else 'without'} its CUDA calls), "
+              f"settle {fs:.1f} us; the manager (host backend, no device work) prepare {mp:.1f} us, "
+              f"settle {ms:.1f} us")
 
 
 if __name__ == "__main__":
