@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cupykv import CacheSpec, KVCacheManager, OutOfSlotsError
-from cupykv.allocator import SlotPool
+from cupykv.allocator import CachingSlotPool, SlotPool
 from oracle import check_stats, held_slots
 
 
@@ -32,6 +32,19 @@ def test_release_goes_to_quarantine_not_free():
     # quarantined slots are not handed out
     assert pool.allocate(2).tolist() == [4, 5]
     assert pool.num_free == 0
+
+
+def test_two_holders_letting_go_at_once_quarantine_the_slot_once():
+    """A CachingSlotPool slot held twice (a hit) and released by both holders in one call is quarantined
+    once and comes back once."""
+    pool = CachingSlotPool(4)
+    a = pool.allocate(2)
+    pool.acquire(a[:1])                         # slot a[0]: two holders
+    assert pool.release(np.array([a[0], a[0], a[1]]), tag=3).tolist() == sorted([a[0], a[1]])
+    assert pool.num_quarantined == 2 and sorted(pool.quarantined_slots().tolist()) == sorted(a.tolist())
+    pool.reclaim(3)
+    assert pool.num_quarantined == 0 and pool.num_free == 4
+    assert sorted(pool.free_slots().tolist()) == [0, 1, 2, 3]
 
 
 def test_reclaim_frees_exactly_tags_up_to_t():
@@ -218,6 +231,37 @@ def test_free_during_unfinished_step_is_quarantined():
     s2.finish()
     mgr.settle(s2)
     mgr.synchronize()
+    check_stats(mgr)
+
+
+def test_a_later_step_completing_first_lifts_nothing_of_an_earlier_ones():
+    """The watermark stops at the oldest in-flight step whose finish has not completed, even when a later
+    step's has (its consumer finished on a stream that did not wait for the older one): slots released
+    while the older step's consumer may read them stay quarantined until that consumer is done."""
+    mgr = small_mgr()
+    be = mgr.backend
+    for rid in ("A", "B"):
+        mgr.add(rid, 40)
+        s = mgr.prepare_batch(contexts={rid: 40})
+        s.finish()
+        mgr.settle(s)
+    mgr.synchronize()
+    consumer = be.new_stream("consumer")
+    gate = be.gate(consumer)
+    s0 = mgr.prepare_batch(generation=["A", "B"])
+    s0.finish(consumer)                   # held by the gate
+    mgr.settle(s0)
+    mgr.free("B")                         # s0's consumer may still read B's pages
+    assert group_stat(mgr, "quarantined") == [3, 3]
+    s1 = mgr.prepare_batch(generation=["A"])
+    s1.finish(be.new_stream("other"))     # nothing holds this stream
+    assert s1.on(0).finished.wait() and s1.is_complete() and not s0.is_complete()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [3, 3]
+    gate.open()
+    mgr.reclaim()
+    assert group_stat(mgr, "quarantined") == [0, 0]
+    mgr.settle(s1)
     check_stats(mgr)
 
 

@@ -261,6 +261,43 @@ def test_accepted_out_of_range():
     run_step(mgr, contexts={"B": 24}, generation=["A"])
 
 
+def test_step_token_capacity_is_exact():
+    """max_step_tokens new tokens fit one step; one more is refused, with nothing reserved."""
+    mgr = make_mgr(max_step_tokens=np.int64(40))
+    mgr.add("A", 24)
+    mgr.add("B", 17)
+    expect_fail(mgr, CapacityExceededError, ["41 tokens", "max_step_tokens=40"],
+                lambda: mgr.prepare_batch(contexts={"A": 24, "B": 17}))
+    run_step(mgr, contexts={"A": 24, "B": 16})
+
+
+def test_rejecting_tokens_of_a_step_a_later_step_rescheduled():
+    """Under an overlap scheduler, a step's speculative tokens can be rejected only until the request is
+    scheduled again: settling the older step with a rejection then is refused, state unchanged."""
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    s1 = mgr.prepare_batch(generation=["A"], num_gen_tokens=2)
+    s1.finish()
+    s2 = mgr.prepare_batch(generation=["A"], num_gen_tokens=2)     # A again, before s1 settles
+    expect_fail(mgr, StepOrderError, ["'A'", f"step {s1.id}", f"step {s2.id} already scheduled"],
+                lambda: mgr.settle(s1, accepted={"A": 1}))
+    s2.finish()
+    mgr.settle(s1)
+    mgr.settle(s2, accepted={"A": 1})
+    mgr.synchronize()
+    assert mgr.request("A").history == 23
+    check_invariants(mgr)
+
+
+def test_decoding_one_token_short_of_the_prompt():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    run_step(mgr, contexts={"A": 19})
+    expect_fail(mgr, InvalidRequestError, ["'A'", "whole prompt"], lambda: mgr.prepare_batch(generation=["A"]))
+    run_step(mgr, contexts={"A": 1})
+    run_step(mgr, generation=["A"])
+
+
 def test_settle_out_of_order_and_twice():
     mgr = make_mgr()
     mgr.add("A", 20)

@@ -151,6 +151,11 @@ def test_a_block_computed_again_while_cached_on_the_host(backend_name):
             assert stored.get((g, h), False) != (kind == "stored"), (kind, h)
             stored[(g, h)] = kind == "stored"
         check_cache_maps(mgr)
+        # the events name exactly the cached blocks, on the device or on the host
+        pc = mgr.cache
+        assert {h for (g, h), on in stored.items() if on} == set(pc.by_hash[0]) | set(pc.host_by_hash[0])
+        # nothing is suspended: every host slot is free or holds a cached block
+        assert [g["used"] for g in mgr.stats()["host_tier"]["groups"]] == [0]
         return n
 
     assert run("a", a) == 0

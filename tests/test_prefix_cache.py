@@ -602,3 +602,36 @@ def test_block_hashes_are_stable_across_managers_and_processes():
     out = subprocess.run([sys.executable, "-c", HASH_SCRIPT.format(here=HERE, windows=(32, None), slots=64)],
                          capture_output=True, text=True, env=env, check=True).stdout
     assert eval(out) == here
+
+
+def test_lookup_against_the_hit_rule_over_random_cache_contents():
+    """PrefixCache.lookup against the contract's rule, brute force (a hit of b blocks needs, in every group,
+    each block a query at position b * tpb can see: all of [0, b) for full attention; the sink blocks and
+    [max(sinks, (n + 1 - window) // tpb), b) for a window), over random sets of cached blocks per group
+    (seeded), with and without sinks; the triples name the cached slot of each such block."""
+    rng = np.random.default_rng(7)
+    for sinks in (0, TPB, 2 * TPB):
+        mgr = cupykv.KVCacheManager(cupykv.CacheSpec(
+            windows=[W, None, 2 * W], sink_tokens=sinks, num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+            max_seq_len=256, max_batch=2, slots_per_group=64, prefix_caching=True), backend="host")
+        pc, groups = mgr.cache, mgr.layout.groups
+        hashes = [bytes([i]) * 16 for i in range(24)]
+        for _ in range(300):
+            cached = [set(np.flatnonzero(rng.random(24) < rng.choice([0.5, 0.9, 1.0])).tolist()) for _ in groups]
+            pc.by_hash = [{hashes[b]: 1000 * g.index + b for b in c} for g, c in zip(groups, cached)]
+            prompt = int(rng.integers(1, 24 * TPB + 2))
+
+            def visible(g, b):
+                if g.window is None:
+                    return set(range(b))
+                sink_blocks = sinks // TPB
+                stale_end = max(sink_blocks, (b * TPB + 1 - g.window) // TPB)
+                return set(range(min(b, sink_blocks))) | set(range(stale_end, b))
+
+            top = min(24, (prompt - 1) // TPB)
+            want = max(b for b in range(top + 1) if all(visible(g, b) <= c for g, c in zip(groups, cached)))
+            hit, triples = pc.lookup(hashes, prompt, with_host=False)
+            assert hit == want, (sinks, prompt, cached)
+            for g, t in zip(groups, triples):
+                assert sorted(x for x, _, _ in t) == sorted(visible(g, hit))
+                assert all(slot == 1000 * g.index + x and not on_host for x, slot, on_host in t)
