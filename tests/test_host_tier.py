@@ -1165,3 +1165,34 @@ def test_resume_evicts_cached_blocks_to_the_host_tier(backend_name):
     rig.run(generation=["q", "a", "x"])
     rig.check_rows()
     rig.check_conservation()
+
+
+def test_a_row_reused_after_a_free_during_copy_back_does_not_wait_for_it():
+    """A request freed while its copy back is still held (no step waited for it yet): the next request in
+    its table row does not wait for that copy (its slots are other ones; the freed ones stay quarantined
+    until the copy completes)."""
+    spec = cupykv.CacheSpec(windows=[None], num_kv_heads=H, head_dim=D, tokens_per_block=TPB, max_seq_len=64,
+                            max_batch=2, slots_per_group=16, dtype="float32")
+    mgr = cupykv.KVCacheManager(spec, backend="host")
+    storage = KVStorage(mgr, host_tier_bytes=1 << 16)
+    be = mgr.backend
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    step.finish()
+    mgr.settle(step)
+    storage.suspend("A")
+    mgr.synchronize()
+    gate = be.gate(storage.host_tier.stream)        # holds A's copy back
+    storage.resume("A")
+    row = mgr.request("A").row
+    mgr.free("A")
+    mgr.add("B", 20)
+    assert mgr.request("B").row == row
+    step = mgr.prepare_batch({"B": 20})
+    step.finish()
+    assert step.ready.wait() and step.is_complete()    # nothing of A's holds B's step
+    assert mgr.stats()["groups"][0]["quarantined"] == 3
+    gate.open()
+    mgr.settle(step)
+    mgr.synchronize()
+    assert mgr.stats()["groups"][0]["quarantined"] == 0
