@@ -106,11 +106,12 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     arr = tokens if isinstance(tokens, np.ndarray) else np.array(tokens, dtype=object if tokens else np.int64)
     if arr.ndim != 1 or len(arr) != length:
         raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        bad = next((t for t in arr if not is_count(t)), None) if arr.dtype.kind == "O" else arr.dtype
+    if arr.dtype.kind == "O":
+        bad = next((t for t in arr if not is_count(t)), None)
         if bad is not None:
-            got = f"dtype {bad}" if bad is arr.dtype else f"{bad!r}, a {type(bad).__name__}"
-            raise InvalidRequestError(f"{what}: token ids must be ints (got {got})")
+            raise InvalidRequestError(f"{what}: token ids must be ints (got {bad!r}, a {type(bad).__name__})")
+    elif arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"{what}: token ids must be ints (got dtype {arr.dtype})")
     try:
         out = arr.astype(np.int64, casting="safe") if arr.dtype.kind in "iu" and arr.dtype != np.uint64 else None
         if out is None:

@@ -98,14 +98,15 @@ class StepLedger:
                 return
             step.wait_finished(self.timeout_s)
 
-    def wait_for_in_flight(self, limit: int) -> None:
-        """Wait for finish events (oldest first) until fewer than `limit` in-flight steps are incomplete, each
-        wait up to timeout_s; changes nothing (poll lifts what completed)."""
-        k = self.completed_count()
+    def wait_for_in_flight(self, limit: int) -> bool:
+        """Wait for finish events (oldest first, each up to timeout_s) until fewer than `limit` in-flight
+        steps are incomplete; returns whether they are. Changes nothing (poll lifts what completed)."""
+        k = self.completed_count()      # in_flight[:k] have completed
         for step in self.in_flight[k:]:
             if len(self.in_flight) - k < limit or not step.wait_finished(self.timeout_s):
-                return
+                break
             k += 1
+        return len(self.in_flight) - k < limit
 
     def wait_all(self) -> None:
         for step in list(self.in_flight):

@@ -372,8 +372,7 @@ class KVCacheManager:
         if len(ledger.in_flight) >= self.max_steps_in_flight:
             # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
             # when waited on): wait for them as for slots, and fail only if they do not complete in time
-            ledger.wait_for_in_flight(self.max_steps_in_flight)
-            if len(ledger.in_flight) - ledger.completed_count() >= self.max_steps_in_flight:
+            if not ledger.wait_for_in_flight(self.max_steps_in_flight):
                 raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
                                      f"{self.max_steps_in_flight}); the oldest finish events did not complete "
                                      f"within staging_timeout_s={ledger.timeout_s}")
