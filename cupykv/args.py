@@ -36,6 +36,14 @@ def as_count(value, what: str, *, minimum: int = 0, maximum: Optional[int] = Non
     return n
 
 
+def as_flag(value, what: str, error: Type[CupykvError] = InvalidRequestError) -> bool:
+    """`value` as a bool (Python or numpy); anything else is `error` naming `what` (a truthy string such as
+    "no" must not switch an option on)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise error(f"{what}={value!r} must be a bool")
+    return bool(value)
+
+
 def context_items(contexts) -> list:
     """prepare_batch's contexts (a mapping request id -> chunk tokens, or (id, tokens) pairs) as a list
     of pairs; the counts are checked later, against each request."""
@@ -107,8 +115,9 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     if arr.ndim != 1 or len(arr) != length:
         raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
     if arr.dtype.kind == "O":
-        bad = next((t for t in arr if not is_count(t)), None)
-        if bad is not None:
+        bad = [t for t in arr if not is_count(t)][:1]       # (a default of None would hide a None id)
+        if bad:
+            bad = bad[0]
             raise InvalidRequestError(f"{what}: token ids must be ints (got {bad!r}, a {type(bad).__name__})")
     elif arr.dtype.kind not in "iu":
         raise InvalidRequestError(f"{what}: token ids must be ints (got dtype {arr.dtype})")

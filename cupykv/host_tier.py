@@ -95,9 +95,9 @@ class HostTier:
     def resume(self, rid: Hashable) -> None:
         """Bring a suspended request's KV back into fresh device slots (all or nothing; OutOfSlotsError
         and nothing changed when they are not there)."""
+        self.manager.request(rid)               # unknown (or unhashable) ids raise UnknownRequestError
         held = self.held.get(rid)
         if held is None:
-            self.manager.request(rid)           # unknown ids raise UnknownRequestError
             raise InvalidRequestError(f"request {rid!r} is not suspended")
 
         def copy_back(slots: Sequence[np.ndarray]):

@@ -15,7 +15,8 @@ On the host backend (no GPU) the same functions return CPU tensors sharing the n
 is a host wait on the (simulated) event.
 
 torch is imported only when one of these functions is called; without it they raise
-InteropUnavailableError (an ImportError and a CupykvError) naming the missing package.
+InteropUnavailableError (an ImportError and a CupykvError) naming the missing package (finish_on_torch on
+the host backend has no torch stream to record on: it finishes on the manager stream, torch or not).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 from .args import as_count
 from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import BAD
-from .step import DeviceStep
+from .step import DeviceStep, Step
 
 __all__ = ["InteropUnavailableError", "to_torch", "tables_to_torch", "write_positions_to_torch",
            "pages_to_torch", "finish_on_torch", "cupy_stream", "CsrViews", "CsrBuffers", "csr_views"]
@@ -150,7 +151,7 @@ def finish_on_torch(step, stream=None) -> None:
     if len(getattr(step, "devices", ())) > 1 and not hasattr(step, "rank"):
         raise StepOrderError(f"step {step.id} runs on {len(step.devices)} devices: finish each with "
                              "finish_on_torch(step.on(rank), stream)")
-    if step.backend.xp is np:
+    if step.backend.xp is np:       # no torch stream to record on: the manager stream (torch not needed)
         step.finish()
         return
     torch = _torch()
@@ -168,7 +169,9 @@ class CsrBuffers:
     stay valid until the next step's are written (after the previous consumer's finish event)."""
 
     def __init__(self, manager, rank: int = 0):
-        mirror = manager.pipeline.mirrors[rank]     # rank: the device (KVCacheManager(devices=...) position)
+        devices = len(manager.pipeline.mirrors)
+        rank = as_count(rank, "CsrBuffers: rank", maximum=devices - 1)   # the device's KVCacheManager(devices=...) position
+        mirror = manager.pipeline.mirrors[rank]
         be, spec = mirror.backend, manager.spec
         B = manager.layout.max_blocks
         self.outputs = mirror.outputs         # the step outputs these buffers serve (csr_views checks)
@@ -273,6 +276,10 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     """
     if (group is None) == (layer is None):
         raise InvalidRequestError("csr_views: give exactly one of group= or layer=")
+    if not isinstance(step, (Step, DeviceStep)):
+        raise StepOrderError(f"csr_views: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
+    if buffers is not None and not isinstance(buffers, CsrBuffers):
+        raise InvalidRequestError(f"csr_views: buffers={buffers!r} must be a CsrBuffers (or None)")
     if not step.is_current:
         raise StepOrderError(f"csr_views: step {step.id} is not the latest prepared step; its tables were "
                              "overwritten by a later prepare_batch")

@@ -24,6 +24,8 @@ class Layout:
     """Groups, block counts and page-index math for one spec."""
 
     def __init__(self, spec: CacheSpec):
+        if not isinstance(spec, CacheSpec):
+            raise InvalidSpecError(f"Layout(spec={spec!r}): needs a cupykv.CacheSpec")
         self.spec = spec
         self.tpb = spec.tokens_per_block
         self.max_blocks = cdiv(cdiv(spec.max_seq_len + spec.max_rewind + 1, self.tpb), 4) * 4
@@ -50,6 +52,11 @@ class Layout:
         self.group_layers = np.concatenate([starts, *[g.layers for g in self.groups]]).astype(np.int32)
         self.group_scale = np.array([g.scale for g in self.groups], np.int32)
         self.slots_per_group = self._slots_per_group()
+        for g, n in zip(self.groups, self.slots_per_group):
+            if n * g.scale > 2 ** 31:     # page indices (slot * scale + the layer's page) are int32
+                raise InvalidSpecError(f"CacheSpec: group {g.index} ({len(g.layers)} layers, {g.scale} pages a slot) "
+                                       f"has {n} slots, {n * g.scale} pages; int32 page indices allow at most "
+                                       f"{2 ** 31 // g.scale} slots")
         if spec.null_slot and min(self.slots_per_group) < 2:
             raise InvalidSpecError(f"CacheSpec.null_slot=True: every group needs 2 slots or more (one is the "
                                    f"null slot); slots per group: {self.slots_per_group}")

@@ -19,7 +19,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .allocator import CachingSlotPool, SlotPool
-from .args import accepted_counts, as_count, context_items, generation_tokens, request_ids, salt_bytes, token_ids
+from .args import accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, StepOrderError)
@@ -32,7 +32,7 @@ from .residence import Residence
 from .requests import GenBatch, Request, RequestId, RequestTable, frozen
 from .spec import CacheSpec
 from .staging import snapshot_words
-from .step import Step
+from .step import DeviceStep, Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
@@ -138,6 +138,9 @@ class KVCacheManager:
         if (not isinstance(staging_timeout_s, (int, float, np.integer, np.floating)) or isinstance(staging_timeout_s, bool)
                 or not staging_timeout_s > 0):
             raise InvalidSpecError(f"staging_timeout_s={staging_timeout_s!r}: must be a positive number of seconds")
+        debug_verify_mirror = as_flag(debug_verify_mirror, "debug_verify_mirror", InvalidSpecError)
+        use_graphs = as_flag(use_graphs, "use_graphs", InvalidSpecError)
+        steady_batch_delta = as_flag(steady_batch_delta, "steady_batch_delta", InvalidSpecError)
         self.spec = spec
         self.layout = lay = Layout(spec)
         self.backends = make_backends(backend, devices)
@@ -180,7 +183,7 @@ class KVCacheManager:
     ring = property(lambda self: self.pipeline.ring, doc="The pinned snapshot ring.")
     h2d_bytes_last_step = property(lambda self: self.pipeline.h2d_bytes_last_step)
     use_graphs = property(lambda self: self.pipeline.use_graphs,
-                          lambda self, on: setattr(self.pipeline, "use_graphs", bool(on)),
+                          lambda self, on: setattr(self.pipeline, "use_graphs", as_flag(on, "use_graphs")),
                           doc="Replay each step's device work as a CUDA graph (may be switched between steps).")
 
     def capture_graphs(self) -> int:
@@ -211,7 +214,8 @@ class KVCacheManager:
                                       f"(the prompt's {n} token ids)")
         toks = None if tokens is None else token_ids(tokens, f"request {rid!r}: tokens", n)
         salt = salt_bytes(cache_salt)
-        if isinstance(checkpoints, (str, bytes)) or not isinstance(checkpoints, Iterable):
+        if (isinstance(checkpoints, (str, bytes, Mapping)) or not isinstance(checkpoints, Iterable)
+                or getattr(checkpoints, "ndim", 1) != 1):
             raise InvalidRequestError(f"request {rid!r}: checkpoints={checkpoints!r} must be prompt positions")
         marks = sorted({as_count(c, f"request {rid!r}: checkpoint", minimum=1, maximum=n) for c in checkpoints})
         if cache is None:
@@ -231,6 +235,9 @@ class KVCacheManager:
                 blocks, slots = (np.array(a, np.int64) for a in zip(*on_device))
                 self.pools[g.index].acquire(slots)
                 self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
+                if cache.still_arriving(g.index, slots):     # an earlier hit's copy back: wait for it too
+                    reqs.loading[row] = cache.last_copy_in
+            # (one event per row: the tier copies on one stream, so a group's later event covers an earlier one)
             if on_host:         # copied back into fresh slots; the request's first step waits for the copy
                 blocks, host_slots = (np.array(a, np.int64) for a in zip(*on_host))
                 slots, reqs.loading[row] = cache.bring_back(g.index, [seq.hashes[b] for b in blocks.tolist()],
@@ -272,7 +279,10 @@ class KVCacheManager:
         return self.residence.resident_blocks(rid)
 
     def __contains__(self, rid: RequestId) -> bool:
-        return self.requests.requests.__contains__(rid)
+        try:
+            return rid in self.requests.requests
+        except TypeError:           # unhashable: never a request id
+            return False
 
     def request(self, rid: RequestId) -> Request:
         return self.requests.get(rid)
@@ -491,6 +501,9 @@ class KVCacheManager:
         fill are cached too (without them only prompt blocks are).
         """
         reqs, ledger = self.requests, self.ledger
+        if isinstance(step, DeviceStep):
+            raise StepOrderError(f"settle takes the Step (step {step.id} as prepare_batch returned it), not "
+                                 f"step.on({step.rank}): the tokens are settled once for every device")
         if getattr(step, "owner", None) is not self:
             raise StepOrderError("this step belongs to another manager (or is not a Step)")
         if step.settled:

@@ -78,6 +78,11 @@ class PrefixCache:
         self.host_by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
         self.host_hash_of: List["OrderedDict[int, bytes]"] = [OrderedDict() for _ in self.groups]  # LRU first
         self.pending: list = []
+        # Device slots a copy back from the host tier may still be writing, per group: slot -> the copy's
+        # event. Every copy of the tier runs on its one stream, so the latest copy's event (last_copy_in)
+        # covers all earlier ones.
+        self.arriving: List[Dict[int, object]] = [{} for _ in self.groups]
+        self.last_copy_in = None
         for p, pool in enumerate(pools):
             pool.on_evict = lambda slots, p=p: self._evicted(p, slots)
 
@@ -167,7 +172,24 @@ class PrefixCache:
         for h, s in zip(hashes, slots.tolist()):
             self.by_hash[p][h], self.hash_of[p][s] = s, h
         self.pools[p].hashed[slots] = True
-        return slots, self.host.copy_in(p, np.array(host_slots, np.int64), slots)
+        self.last_copy_in = loaded = self.host.copy_in(p, np.array(host_slots, np.int64), slots)
+        arriving = self.arriving[p]
+        for s in [s for s, event in arriving.items() if event.done()]:
+            del arriving[s]
+        arriving.update(dict.fromkeys(slots.tolist(), loaded))
+        return slots, loaded
+
+    def still_arriving(self, p: int, slots: np.ndarray) -> bool:
+        """Whether a copy back from the host tier (an earlier request's hit) may still be writing one of
+        these device slots of group p: a request that hits them must wait for last_copy_in too."""
+        arriving = self.arriving[p]
+        if not arriving:
+            return False
+        for s in slots.tolist():
+            event = arriving.get(s)
+            if event is not None and not event.done():
+                return True
+        return False
 
     def drop_host_block(self, p: int) -> int:
         """The least recently cached host block of group p leaves the cache; returns its host slot."""

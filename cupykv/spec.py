@@ -12,15 +12,18 @@ from .errors import InvalidSpecError
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TABLE_MODES = ("per_layer", "shared")
 PREFIX_RETENTIONS = ("boundaries", "all")
+# The kernels and the snapshot hold token counts, slots and page indices as int32.
+INT32_MAX = 2 ** 31 - 1
 
 
 def _fail(name: str, value, why: str) -> None:
     raise InvalidSpecError(f"CacheSpec.{name}={value!r}: {why}")
 
 
-def _count(name: str, value, minimum: int) -> int:
-    """A count field as a Python int (numpy integers too; bools and floats are refused)."""
-    return as_count(value, f"CacheSpec.{name}", minimum=minimum, error=InvalidSpecError)
+def _count(name: str, value, minimum: int, maximum: Optional[int] = INT32_MAX) -> int:
+    """A count field as a Python int in [minimum, maximum] (numpy integers too; bools and floats are
+    refused)."""
+    return as_count(value, f"CacheSpec.{name}", minimum=minimum, maximum=maximum, error=InvalidSpecError)
 
 
 def _counts(name: str, value, minimum: int, what: str) -> tuple:
@@ -32,8 +35,8 @@ def _counts(name: str, value, minimum: int, what: str) -> tuple:
     if items is None:
         _fail(name, value, f"must be an int >= {minimum} or a sequence of them")
     for i, v in enumerate(items):
-        if not is_count(v) or v < minimum:
-            _fail(name, value, f"{what} {i} has {v!r}; use an int >= {minimum}")
+        if not is_count(v) or not minimum <= v <= INT32_MAX:
+            _fail(name, value, f"{what} {i} has {v!r}; use an int in [{minimum}, {INT32_MAX}]")
     return tuple(int(v) for v in items)
 
 
@@ -98,15 +101,16 @@ class CacheSpec:
         if not windows:
             _fail("windows", self.windows, "needs one entry per layer (None = full attention)")
         for i, w in enumerate(windows):
-            if w is not None and (not is_count(w) or w <= 0):
-                _fail("windows", self.windows, f"layer {i} has window {w!r}; use a positive int or None")
+            if w is not None and (not is_count(w) or not 0 < w <= INT32_MAX):
+                _fail("windows", self.windows, f"layer {i} has window {w!r}; use an int in [1, {INT32_MAX}] "
+                      "or None")
         windows = tuple(None if w is None else int(w) for w in windows)
         put("windows", windows)
         put("windows_tuple", windows)
         put("num_kv_heads", _count("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _count("head_dim", self.head_dim, 1))
         _choice("dtype", self.dtype, DTYPE_BYTES)
-        tpb = _count("tokens_per_block", self.tokens_per_block, 1)
+        tpb = _count("tokens_per_block", self.tokens_per_block, 1, 2 ** 30)
         if tpb & (tpb - 1):
             _fail("tokens_per_block", self.tokens_per_block, "must be a power of two")
         put("tokens_per_block", tpb)
@@ -135,7 +139,7 @@ class CacheSpec:
         if self.slots_per_group is None and self.memory_bytes is None:
             _fail("slots_per_group", None, "give slots_per_group or memory_bytes")
         if self.memory_bytes is not None:
-            put("memory_bytes", _count("memory_bytes", self.memory_bytes, 1))
+            put("memory_bytes", _count("memory_bytes", self.memory_bytes, 1, None))
         spg = self.slots_per_group
         if is_count(spg):
             put("slots_per_group", _count("slots_per_group", spg, 1))

@@ -195,8 +195,12 @@ class Step:
         return True
 
     def wait_finished(self, timeout: Optional[float] = None) -> bool:
-        """Host wait for every device's recorded finish event; False when one did not complete in time."""
-        return all(d.finished.wait(timeout) for d in self.devices if d.finished is not None)
+        """Host wait for every device's recorded finish event; False when one did not complete in time, or
+        was never recorded (finish() not called on that device: nothing will complete)."""
+        for d in self.devices:
+            if d.finished is None or not d.finished.wait(timeout):
+                return False
+        return True
 
     def __repr__(self) -> str:
         return f"Step(id={self.id}, num_seqs={self.num_seqs}, num_contexts={self.num_contexts})"

@@ -115,7 +115,8 @@ class KVStorage:
     """Per-group KV arrays on the manager's backend (device arrays on CUDA, numpy on the host backend).
 
     KVStorage(manager) uses the manager's layout, backend and spec dtype; KVStorage(layout, backend,
-    dtype) makes storage without a manager (write() then needs no step; use the arrays directly).
+    dtype) makes the arrays alone, without a manager (pages(), layer_pages(); write() and gather() take a
+    step, so they need a KVStorage(manager)).
 
     rank: with a multi-device manager (KVCacheManager(devices=[...])), the device this storage lives on
     (its position in `devices`). Each rank holds its share of the KV heads, num_kv_heads // len(devices)
@@ -146,6 +147,9 @@ class KVStorage:
         if isinstance(backend, str):
             from .backends import make_backend
             backend = make_backend(backend)
+        if not hasattr(backend, "xp"):
+            raise InvalidRequestError(f"KVStorage: backend={backend!r} is not a backend ('cuda', 'host', 'auto' or "
+                                      "a backend object)")
         self.backend = backend
         self.xp = backend.xp
         spec = self.layout.spec
@@ -247,24 +251,21 @@ class KVStorage:
         before writing layer l + 1. Call before the next prepare_batch (it overwrites the write positions).
         Tokens whose write page is BAD or out of range are skipped and counted (see errors()).
         """
-        mgr = self.manager
-        if getattr(step, "owner", None) is not mgr or mgr is None:
-            raise StepOrderError("KVStorage.write: the step must come from the manager this storage was made for")
-        step = self._view(step)
-        if not step.is_current:
-            raise StepOrderError(f"KVStorage.write: step {step.id} is not the latest prepared step; its write "
-                                 "positions were overwritten by a later prepare_batch")
+        step = self._writable(step, "write")
         layer = as_count(layer, "KVStorage.write: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
         want = (n, self.num_kv_heads, self.head_dim)
         sources = []
         for name, a in (("k", k), ("v", v)):
+            if not hasattr(a, "shape"):
+                raise InvalidRequestError(f"KVStorage.write: {name} is a {type(a).__name__}; expected an array of "
+                                          f"shape {want} (numpy, CuPy or torch)")
             if tuple(a.shape) != want:
                 raise InvalidRequestError(f"KVStorage.write: {name} has shape {tuple(a.shape)}, expected {want} "
                                           "(the step's new tokens, batch order)")
             sources.append(self._source_dtype(name, a))
         be = self.backend
-        st = be.stream if stream is None else self._stream(stream)
+        st = be.stream if stream is None else self._stream(stream, "write")
         if st is not be.stream:
             be.wait(st, step.ready)
         dst = self.layer_pages(layer).view(self._words)
@@ -301,12 +302,12 @@ class KVStorage:
         """Read back K/V of the step's new tokens for one layer from their write positions:
         ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD).
         Ordered on `stream` (default the manager stream) after the work already enqueued there; on the host
-        backend this waits for it."""
+        backend this waits for it. As for write(): the latest prepared step, before its finish."""
         be = self.backend
-        step = self._view(step)
+        step = self._writable(step, "gather")
         layer = as_count(layer, "KVStorage.gather: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
-        st = be.stream if stream is None else self._stream(stream)
+        st = be.stream if stream is None else self._stream(stream, "gather")
         # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
         dst = self.layer_pages(layer).view(self._words)
         # A token whose write page is BAD was not written (errors() counts it): its values here are
@@ -331,6 +332,23 @@ class KVStorage:
         return int(self.backend.to_numpy(self._errors)[0])
 
     # -- internals -------------------------------------------------------------------------------
+    def _writable(self, step, what: str):
+        """The step's view on this storage's device, if its write positions may be used now: a step of this
+        storage's manager, the latest prepared (a later prepare overwrites the write positions) and not
+        yet finished on this device (work enqueued after its finish is covered by no event: the next step
+        may reuse the positions, and released slots, before it runs)."""
+        mgr = self.manager
+        if mgr is None or getattr(step, "owner", None) is not mgr:
+            raise StepOrderError(f"KVStorage.{what}: the step must come from the manager this storage was made for")
+        step = self._view(step)
+        if not step.is_current:
+            raise StepOrderError(f"KVStorage.{what}: step {step.id} is not the latest prepared step; its write "
+                                 "positions were overwritten by a later prepare_batch")
+        if step.finished is not None:
+            raise StepOrderError(f"KVStorage.{what}: step {step.id} was finished on device {step.rank}; write and "
+                                 "gather before step.finish(), which orders the next step after them")
+        return step
+
     def _view(self, step):
         """The step as this storage's device sees it (step.on(rank)); a DeviceStep must be of that rank."""
         if not isinstance(step, DeviceStep):
@@ -349,12 +367,18 @@ class KVStorage:
     def _sync(self) -> None:
         self.backend.stream.synchronize()
 
-    def _stream(self, stream):
+    def _stream(self, stream, what: str):
         """A stream of this storage's backend: torch streams become CuPy streams on the CUDA backend."""
-        if self.xp is np or hasattr(stream, "ptr"):
-            return stream
-        from .interop import cupy_stream
-        return cupy_stream(stream)
+        if self.xp is not np and not hasattr(stream, "ptr"):
+            from .interop import cupy_stream
+            try:
+                stream = cupy_stream(stream)
+            except TypeError:
+                pass            # refused below
+        if not self.backend.is_stream(stream):
+            raise InvalidRequestError(f"KVStorage.{what}: stream={stream!r} is not a stream of the "
+                                      f"{self.backend.name} backend (or a torch.cuda.Stream)")
+        return stream
 
     def _source_dtype(self, name: str, array) -> str:
         source = dtype_name(array)

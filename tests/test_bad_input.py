@@ -613,13 +613,83 @@ def test_malformed_settle_arguments():
 
 @pytest.mark.parametrize("option,value", [("max_steps_in_flight", 0), ("max_steps_in_flight", -3),
                                           ("max_steps_in_flight", 1.5), ("max_steps_in_flight", True),
-                                          ("staging_timeout_s", -1), ("staging_timeout_s", "10")])
+                                          ("staging_timeout_s", -1), ("staging_timeout_s", "10"),
+                                          ("use_graphs", "no"), ("use_graphs", 1), ("debug_verify_mirror", "no"),
+                                          ("steady_batch_delta", "no"), ("backend", None), ("backend", 5)])
 def test_bad_manager_option(option, value):
     """Options that were accepted and then broke the manager (max_steps_in_flight=0: every prepare failed)."""
     spec = make_mgr().spec
     with pytest.raises(InvalidSpecError) as ei:
-        KVCacheManager(spec, backend="host", **{option: value})
+        KVCacheManager(spec, **{"backend": "host", option: value})
     assert option in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
+
+
+def test_use_graphs_takes_only_a_bool():
+    """The setter too: a truthy string such as "no" must not switch graphs on."""
+    mgr = make_mgr()
+    with pytest.raises(InvalidRequestError, match="use_graphs='no'"):
+        mgr.use_graphs = "no"
+    assert mgr.use_graphs is False
+    mgr.use_graphs = np.bool_(True)
+    assert mgr.use_graphs is True
+
+
+@pytest.mark.parametrize("kw,needles", [
+    (dict(windows=[2 ** 31, None]), ["windows", "layer 0", str(2 ** 31)]),      # stale_end overflowed in settle
+    (dict(windows=[2 ** 64, None]), ["windows", str(2 ** 64)]),
+    (dict(tokens_per_block=2 ** 64), ["tokens_per_block", str(2 ** 64)]),        # new_blocks overflowed
+    (dict(tokens_per_block=2 ** 31), ["tokens_per_block"]),
+    (dict(max_seq_len=2 ** 31), ["max_seq_len"]),
+    (dict(slots_per_group=[8, 2 ** 31]), ["slots_per_group", "group 1"]),
+    (dict(sink_tokens=2 ** 40), ["sink_tokens"]),
+])
+def test_spec_counts_past_int32_are_refused(kw, needles):
+    """The kernels and the snapshot hold these as int32: a larger value must be refused when the spec is
+    made, not overflow in a later settle after part of it was applied."""
+    with pytest.raises(InvalidSpecError) as ei:
+        CacheSpec(**dict(SPEC, **kw))
+    for needle in needles:
+        assert needle in str(ei.value), (needle, str(ei.value))
+
+
+def test_page_indices_past_int32_are_refused():
+    """slots x pages a slot must fit int32 page indices (the null slot's page wrapped negative before)."""
+    layers = 64                           # one full-attention group: 128 pages a slot
+    limit = 2 ** 31 // (2 * layers)
+    spec = dict(SPEC, windows=[None] * layers, max_batch=1, max_seq_len=64, max_rewind=0, null_slot=True)
+    with pytest.raises(InvalidSpecError, match=f"at most {limit} slots"):
+        cupykv.Layout(CacheSpec(**dict(spec, slots_per_group=limit + 1)))
+    assert cupykv.Layout(CacheSpec(**dict(spec, slots_per_group=limit))).null_slots == (limit - 1,)
+
+
+def test_bad_layout_argument():
+    with pytest.raises(InvalidSpecError, match="CacheSpec"):
+        cupykv.Layout(None)
+
+
+def test_settle_takes_the_step_not_a_device_view():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    step.finish()
+    expect_fail(mgr, StepOrderError, ["settle takes the Step", "step.on(0)"], lambda: mgr.settle(step.on(0)))
+    mgr.settle(step)
+
+
+def test_wait_finished_of_a_step_never_finished_is_false():
+    """Nothing will complete for a device whose finish was never recorded."""
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    assert step.wait_finished(0.01) is False
+    step.finish()
+    assert step.wait_finished(5) is True
+
+
+def test_membership_of_an_unhashable_id_is_false():
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    assert "A" in mgr and [1] not in mgr and "B" not in mgr
 
 
 def test_numpy_manager_options_work():
@@ -662,7 +732,7 @@ PROMPT = list(range(100, 140))          # 40 tokens: 2 full blocks of 16
     (b"x" * 40, ["'Z'", "tokens", "bytes"]),
     ([str(t) for t in PROMPT], ["'Z'", "tokens", "a str"]),
     (PROMPT[:39] + [1.5], ["'Z'", "tokens", "1.5, a float"]),
-    (PROMPT[:39] + [None], ["'Z'", "tokens"]),
+    (PROMPT[:39] + [None], ["'Z'", "tokens", "None"]),      # reported as an int64 overflow before
     (PROMPT[:39] + [True], ["'Z'", "tokens"]),
     (np.array(PROMPT, bool), ["'Z'", "tokens"]),
     (PROMPT[:39] + [2 ** 70], ["'Z'", "tokens", "int64"]),
@@ -701,6 +771,8 @@ def test_bad_salt(salt):
     (8, ["checkpoints", "8"]),                      # one position, not a list of them
     ("8", ["checkpoints", "'8'"]),
     (None, ["checkpoints", "None"]),
+    (np.array(8), ["checkpoints", "array(8)"]),     # 0-d: iterating it raised a bare TypeError
+    ({8: 1}, ["checkpoints", "{8: 1}"]),            # a mapping's keys are not meant as positions
 ])
 def test_bad_checkpoints(checkpoints, needles):
     mgr = cached_mgr()

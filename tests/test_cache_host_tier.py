@@ -165,3 +165,65 @@ def test_a_block_computed_again_while_cached_on_the_host(backend_name):
     for i in range(6):           # churn: d's blocks and the others evicted to the host tier, until it is full
         run(f"x{i}", list(range(200 + 40 * i, 225 + 40 * i)))
         run(f"a{i}", a)          # a hit on whatever of a's prefix is still cached, with the right KV
+
+
+def snapshot_on_manager_stream(mgr, array):
+    """A copy of `array` taken on the manager stream (after the work enqueued there so far, as a consumer
+    reading after step.ready would); returns a function giving it as numpy once the stream has run."""
+    be = mgr.backend
+    if be.xp is np:
+        taken = []
+        be.stream.enqueue(lambda: taken.append(array.copy()))
+        return lambda: (be.stream.synchronize(), taken[0])[1]
+    with be.device_context(), be.stream:
+        copy = array.copy()
+    return lambda: be.to_numpy(copy)
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["waits-for-the-copy-back", "unsafe-no-wait"])
+def test_a_device_hit_on_blocks_still_copied_back_waits_for_the_copy(backend_name, ordered, monkeypatch):
+    """a2's host hit copies a's blocks back into device slots and names them there at once; b, added while
+    that copy is held by a gate, hits the same slots on the device. b's step must wait for a2's copy (before,
+    only a2's steps did): a read after b's step on the manager stream sees a's KV once the gate opens, and
+    the variant that forgets the copy reads the slots' previous contents."""
+    mgr, storage = make(backend_name)
+    be = mgr.backend
+    if not ordered:
+        monkeypatch.setattr(mgr.cache, "still_arriving", lambda p, slots: False)
+    a = list(range(100, 140))                              # 5 full blocks
+    prefill(mgr, storage, "a", a)
+    mgr.free("a")
+    mgr.reclaim(wait=True)
+    # c takes every slot by decoding (decode blocks are not cached: they come back free, so a2's copy back
+    # below evicts nothing, and no spill copy orders b's step after the tier stream), writing its own KV
+    prefill(mgr, storage, "c", [7])
+    while mgr.request("c").capacity < 96:
+        step = mgr.prepare_batch((), ["c"])
+        for layer in range(mgr.spec.num_layers):
+            k = mgr.backend.xp.full((1, 1, 4), -1.0, np.float32)
+            storage.write(step, layer, k, k)
+        step.finish()
+        mgr.settle(step)
+    assert mgr.stats()["prefix_cache"]["groups"][1]["host_blocks"] == 5
+    mgr.free("c")
+    mgr.reclaim(wait=True)
+    snapshot_on_manager_stream(mgr, storage.arrays[1])()   # warm up the copy before the gate
+    be.synchronize()
+    gate = be.gate(storage.host_tier.stream)
+    assert mgr.add("a2", 48, tokens=a + [1] * 8) == 40     # from the host tier: the copy back is held
+    assert mgr.add("b", 48, tokens=a + [2] * 8) == 40      # on the device, the same slots
+    slots = mgr.table[1, mgr.request("b").row, :5].copy()
+    assert (slots == mgr.table[1, mgr.request("a2").row, :5]).all()
+    step = mgr.prepare_batch({"b": 8})
+    seen = snapshot_on_manager_stream(mgr, storage.arrays[1])
+    gate.open()
+    step.finish()
+    mgr.settle(step)
+    mgr.synchronize()
+    pos = np.arange(40)
+    g = mgr.layout.groups[1]
+    got = seen()[slots]                                    # [5 blocks, pages, tpb, heads, dim]
+    want = np.stack([kv_value(np.asarray(a)[pos], pos, layer, role) for layer in g.layers
+                     for role in (0, 1)])                   # [pages, 40 positions, heads, dim]
+    want = want.reshape(len(want), 5, TPB, 1, 4).swapaxes(0, 1)
+    assert np.array_equal(got, want) == ordered

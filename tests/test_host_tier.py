@@ -700,6 +700,7 @@ def test_suspend_and_resume_bad_input(backend_name):
     mgr.synchronize()
     expect_unchanged(rig, UnknownRequestError, storage.suspend, "nobody")
     expect_unchanged(rig, UnknownRequestError, storage.resume, "nobody")
+    expect_unchanged(rig, UnknownRequestError, storage.resume, [1])          # unhashable: a bare TypeError before
     expect_unchanged(rig, InvalidRequestError, storage.resume, "a")          # resident, not suspended
     # in an unsettled step
     step = rig.prepare(generation=["a"])

@@ -149,6 +149,13 @@ def test_csr_views_argument_errors():
         with pytest.raises(cupykv.InvalidRequestError, match="layer="):
             csr_views(step, layer=bad)
     csr_views(step, layer=np.int64(1)).ready.synchronize()     # numpy ints are counts
+    with pytest.raises(cupykv.StepOrderError, match="not a Step"):
+        csr_views(None, 0)
+    with pytest.raises(cupykv.InvalidRequestError, match="CsrBuffers"):
+        csr_views(step, 0, buffers="x")
+    for rank in (1, -1, 0.0):           # a one-device manager; -1 read the last device before
+        with pytest.raises(cupykv.InvalidRequestError, match="rank"):
+            CsrBuffers(mgr, rank=rank)
     step.finish()
     mgr.settle(step)
     mgr.prepare_batch((), ["a"])

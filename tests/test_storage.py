@@ -253,6 +253,54 @@ def test_storage_write_validation():
     assert st.errors() == 0
 
 
+def test_write_and_gather_need_the_latest_unfinished_step_of_the_manager():
+    """A write or gather enqueued after the step's finish is covered by no event: the next step may reuse
+    the write positions and the released slots before it runs (a late write of a freed request's step, held
+    on a consumer stream, landed in the next request's KV). Both calls refuse a finished step, a stale one
+    and another manager's, as well as things that are not arrays or streams."""
+    mgr = make_mgr("host", "shared", slots_per_group=4, max_batch=2)
+    st = KVStorage(mgr)
+    H, D = mgr.spec.num_kv_heads, mgr.spec.head_dim
+    kv = lambda n, x: np.full((n, H, D), x, np.float32)     # noqa: E731
+    mgr.add("a", 8)
+    s0 = mgr.prepare_batch({"a": 8})
+    st.write(s0, 0, kv(8, 1), kv(8, 1))
+    s0.finish()
+    mgr.settle(s0)
+    for call in (lambda: st.write(s0, 0, kv(8, 2), kv(8, 2)), lambda: st.gather(s0, 0)):
+        with pytest.raises(cupykv.StepOrderError, match="was finished"):
+            call()
+    mgr.free("a")
+    mgr.synchronize()
+    mgr.add("b", 8)
+    s1 = mgr.prepare_batch({"b": 8})
+    for bad, needle in ((s1.num_tokens.tolist(), "list"), (None, "NoneType")):
+        with pytest.raises(cupykv.InvalidRequestError, match=needle):
+            st.write(s1, 0, bad, kv(8, 3))
+    with pytest.raises(cupykv.InvalidRequestError, match="stream='x'"):
+        st.write(s1, 0, kv(8, 3), kv(8, 3), stream="x")
+    with pytest.raises(cupykv.InvalidRequestError, match="stream='x'"):
+        st.gather(s1, 0, stream="x")
+    other = make_mgr("host", "shared")
+    other.add("z", 8)
+    with pytest.raises(cupykv.StepOrderError, match="manager"):
+        st.gather(other.prepare_batch({"z": 8}), 0)
+    with pytest.raises(cupykv.StepOrderError, match="manager"):
+        st.gather(None, 0)
+    st.write(s1, 0, kv(8, 3), kv(8, 3))
+    assert (st.gather(s1, 0)[0] == 3).all()
+    s1.finish()
+    mgr.settle(s1)
+    s2 = mgr.prepare_batch((), ["b"])
+    with pytest.raises(cupykv.StepOrderError, match="latest"):
+        st.gather(s1, 0)
+    s2.finish()
+    mgr.synchronize()
+    slot = int(mgr.table[0, mgr.request("b").row, 0])
+    assert (st.pages(0)[slot * mgr.layout.groups[0].scale] == 3).all()     # b's K, untouched by a's
+    assert st.errors() == 0
+
+
 def test_errors_count_skipped_tokens_of_writes_on_another_stream(backend_name):
     """A write on a consumer stream whose write pages are BAD skips every token; errors() waits for that
     write (not only for the manager stream) and counts them."""

@@ -15,6 +15,11 @@ import numpy as np
 from ..errors import BackendUnavailableError, InvalidSpecError
 
 
+# What the manager reads of a backend object first; a backend offers all of host.HostBackend's interface.
+BACKEND_INTERFACE = ("stream", "is_stream", "record", "wait", "synchronize", "pinned_empty", "device_empty",
+                     "step_plan")
+
+
 def cuda_available() -> bool:
     """True when CuPy is importable and sees a usable GPU. Never raises."""
     try:
@@ -45,6 +50,10 @@ def make_backends(backend: Union[str, object] = "auto", devices: Optional[Sequen
         if ids is not None and len(ids) > 1:
             raise InvalidSpecError(f"devices={list(devices)}: pass backend by name ('cuda', 'host', 'auto'); "
                                    "a backend object serves one device")
+        missing = [name for name in BACKEND_INTERFACE if not hasattr(backend, name)]
+        if missing:
+            raise InvalidSpecError(f"backend={backend!r}: not a backend (no {', '.join(missing)}); pass 'cuda', "
+                                   "'host', 'auto' or a backend object such as cupykv.backends.host.HostBackend()")
         return [backend]
     name = backend
     if name == "auto":
