@@ -20,7 +20,6 @@ the host backend has no torch stream to record on: it finishes on the manager st
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -29,6 +28,13 @@ from .args import as_count
 from .errors import CupykvError, InvalidRequestError, StepOrderError
 from .layout import BAD
 from .step import DeviceStep, Step
+
+
+def cupy_stream(stream):
+    """A CuPy stream object for a torch.cuda.Stream (or any object with .cuda_stream, or a CuPy stream)."""
+    from .backends.cuda import cupy_stream as convert     # CuPy is imported only when a stream is given
+    return convert(stream)
+
 
 __all__ = ["InteropUnavailableError", "to_torch", "tables_to_torch", "write_positions_to_torch",
            "pages_to_torch", "finish_on_torch", "cupy_stream", "CsrViews", "CsrBuffers", "csr_views"]
@@ -58,23 +64,6 @@ def _event_of(step_or_event):
             raise StepOrderError(f"{step_or_event!r} has no ready event (not prepared yet?)")
         return ev
     return step_or_event
-
-
-def cupy_stream(stream):
-    """A CuPy stream object for a torch.cuda.Stream (or any object with .cuda_stream, or a CuPy stream)."""
-    import cupy
-    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, getattr(cupy.cuda, "ExternalStream", ())):
-        return stream
-    if hasattr(stream, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(stream)       # the CUDA stream protocol (CuPy >= 14)
-    if hasattr(stream, "cuda_stream"):
-        device = getattr(getattr(stream, "device", None), "index", None)
-        with warnings.catch_warnings():                     # deprecated in CuPy 14 for from_external
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return cupy.cuda.ExternalStream(int(stream.cuda_stream), -1 if device is None else int(device))
-    if hasattr(stream, "ptr"):
-        return stream
-    raise TypeError(f"not a stream: {stream!r} (give a torch.cuda.Stream or a cupy stream)")
 
 
 def _from_numpy(torch, array: np.ndarray):

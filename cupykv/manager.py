@@ -615,7 +615,9 @@ class KVCacheManager:
 
     # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Slots per group (free / owned / scratch / quarantined / total), requests and steps."""
+        """A dict: groups (per group: window, layers, and slots total / free / owned / scratch / quarantined /
+        evictable), requests, steps_in_flight, steps_unsettled, ring_slots, and prefix_cache and host_tier
+        (their own stats, or None when off)."""
         self.ledger.poll()
         groups = []
         for g, pool in zip(self.layout.groups, self.pools):

@@ -370,7 +370,7 @@ class KVStorage:
     def _stream(self, stream, what: str):
         """A stream of this storage's backend: torch streams become CuPy streams on the CUDA backend."""
         if self.xp is not np and not hasattr(stream, "ptr"):
-            from .interop import cupy_stream
+            from .backends.cuda import cupy_stream
             try:
                 stream = cupy_stream(stream)
             except TypeError:

@@ -1,7 +1,10 @@
 """A small serving loop on cupykv: requests arrive, chunked prefill with scratch, decode, finish.
 
-Every step's page tables are checked against the NumPy reference computed from the host state at the
-step's prepare. Runs on the GPU when there is one, on the host backend otherwise.
+Checked every step: the page tables against the NumPy reference computed from the host state at the
+step's prepare; each new token's write position (page and offset) against the tables and the token's
+position; and after settle, which blocks of every request hold a slot, against the window rule written
+out here (a full-attention group keeps every block, a sliding window the blocks a query can still see).
+Runs on the GPU when there is one, on the host backend otherwise.
 
     python examples/quickstart.py [--backend auto|cuda|host] [--steps N]
 """
@@ -19,6 +22,35 @@ def expected(mgr, table, step):
     return reference.convert_per_layer(table, step.rows, step.num_contexts, step.scratch_begs, step.scratch_ends,
                                        step.scratch_slots, lay.layer_group, lay.group_scale, lay.layer_koff,
                                        max_batch=mgr.spec.max_batch)[:, :step.num_seqs]
+
+
+def write_positions_ok(mgr, step) -> bool:
+    """Token t of entry s at position p goes to layer l's page for block p // tpb (the step's own tables),
+    offset p % tpb."""
+    tpb = mgr.spec.tokens_per_block
+    tables = mgr.backend.to_numpy(step.tables)
+    pages, offsets = mgr.backend.to_numpy(step.write_pages), mgr.backend.to_numpy(step.write_offsets)
+    entry = np.repeat(np.arange(step.num_seqs), step.num_tokens)
+    pos = np.concatenate([np.arange(p, p + n) for p, n in zip(step.start_positions, step.num_tokens)])
+    t = np.arange(len(pos))
+    return bool((offsets[t] == pos % tpb).all() and (pages[:, t] == tables[:, entry, 0, pos // tpb]).all())
+
+
+def blocks_held_ok(mgr) -> bool:
+    """Between steps (all settled), a request with h tokens holds a slot for block b < ceil(h / tpb) of a
+    full-attention group, and of a window-W group only where the next query (position h, which sees keys
+    h - W + 1 .. h) or a later one still sees a key in it: b >= (h + 1 - W) // tpb."""
+    tpb = mgr.spec.tokens_per_block
+    for rid in mgr.request_ids:
+        h = mgr.request(rid).history
+        blocks = np.arange(mgr.layout.max_blocks)
+        for g in mgr.layout.groups:
+            want = blocks < -(-h // tpb)
+            if g.window is not None:
+                want &= blocks >= max(0, (h + 1 - g.window) // tpb)
+            if not np.array_equal(mgr.table[g.index, mgr.request(rid).row] >= 0, want):
+                return False
+    return True
 
 
 def main() -> int:
@@ -62,9 +94,15 @@ def main() -> int:
         if not np.array_equal(got, expected(mgr, table_at_prepare, step)):
             print(f"step {step.id}: page tables differ from the reference", file=sys.stderr)
             return 1
+        if not write_positions_ok(mgr, step):
+            print(f"step {step.id}: a write position is not its token's page and offset", file=sys.stderr)
+            return 1
         checked += 1
         step.finish()
         mgr.settle(step)
+        if not blocks_held_ok(mgr):
+            print(f"step {step.id}: a request holds other blocks than its windows keep", file=sys.stderr)
+            return 1
         tokens_done += int(step.num_tokens.sum())
         for rid, n in contexts.items():
             prefill_left[rid] -= n
@@ -84,7 +122,8 @@ def main() -> int:
 
     mgr.synchronize()
     st = mgr.stats()
-    print(f"steps: {checked} checked against the reference, all equal; tokens scheduled: {tokens_done}; "
+    print(f"steps: {checked} checked (tables against the reference, write positions, blocks held), all "
+          f"right; tokens scheduled: {tokens_done}; "
           f"requests: {next_rid} arrived, {st['requests']} still live")
     for g in st["groups"]:
         print(f"  group window={g['window']}: slots owned {g['owned']}, scratch {g['scratch']}, "

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import threading
 import time
+import warnings
 import weakref
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -45,6 +46,22 @@ GATE_TIMEOUT_S = 10.0
 
 
 EVENT_FLAGS = runtime.eventBlockingSync | runtime.eventDisableTiming
+
+
+def cupy_stream(stream):
+    """A CuPy stream object for a torch.cuda.Stream (or any object with .cuda_stream, or a CuPy stream)."""
+    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, getattr(cupy.cuda, "ExternalStream", ())):
+        return stream
+    if hasattr(stream, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(stream)       # the CUDA stream protocol (CuPy >= 14)
+    if hasattr(stream, "cuda_stream"):
+        device = getattr(getattr(stream, "device", None), "index", None)
+        with warnings.catch_warnings():                     # deprecated in CuPy 14 for from_external
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cupy.cuda.ExternalStream(int(stream.cuda_stream), -1 if device is None else int(device))
+    if hasattr(stream, "ptr"):
+        return stream
+    raise TypeError(f"not a stream: {stream!r} (give a torch.cuda.Stream or a cupy stream)")
 
 
 class CudaEvent:
