@@ -146,6 +146,8 @@ class HostTier:
             self._returning += [(held.copied, p, hs) for p, hs in enumerate(held.host_slots)]
 
     def stats(self) -> dict:
+        """Per group host slots (total / free / used by suspended requests / cached blocks), and the bytes
+        copied each way so far."""
         self._poll()
         cached = [len(t) for t in self.cache.host_hash_of] if self.cache else [0] * len(self.pools)
         return dict(groups=[dict(total=len(pool), free=len(free), used=len(pool) - len(free) - c, cached=c)

@@ -194,10 +194,12 @@ class CsrViews:
 
     @property
     def num_seqs(self) -> int:
+        """Batch entries listed."""
         return len(self.last_page_len_host)
 
     @property
     def indptr_host(self) -> np.ndarray:
+        """kv_indptr on the host, int32 [num_seqs + 1] (waits for `ready` on first use)."""
         if self._indptr_host is None:
             self.ready.synchronize()
             self._indptr_host = np.array(self._pending, np.int32, copy=True)
@@ -206,6 +208,7 @@ class CsrViews:
 
     @property
     def num_pages(self) -> int:
+        """Pages listed for the whole batch (indptr_host[-1]; may wait for `ready`)."""
         return int(self.indptr_host[-1])
 
     @property

@@ -285,10 +285,13 @@ class KVCacheManager:
             return False
 
     def request(self, rid: RequestId) -> Request:
+        """The live request's record (row, prompt_len, history, capacity, suspended); UnknownRequestError
+        for an id that is not live."""
         return self.requests.get(rid)
 
     @property
     def request_ids(self) -> List[RequestId]:
+        """The live requests' ids, in the order they were added."""
         return list(self.requests.requests)
 
     @property

@@ -85,13 +85,16 @@ class DeviceStep:
         be = self.backend
         if stream is not None and not be.is_stream(stream):
             raise InvalidRequestError(f"step {self.step.id}: finish(stream={stream!r}): not a stream of the {be.name} "
-                                      "backend (for a torch stream: cupykv.interop.finish_on_torch)")
+                                      f"backend's device {be.device_id} (device rank {self.rank}; for a torch "
+                                      "stream: cupykv.interop.finish_on_torch)")
         self.finished = be.record(stream if stream is not None else be.stream)
 
     def is_complete(self) -> bool:
+        """True once this device's finish event has completed."""
         return self.finished is not None and self.finished.done()
 
     def on(self, rank: int) -> "DeviceStep":
+        """Another device's view of the same step (Step.on)."""
         return self.step.on(rank)
 
     def __repr__(self) -> str:
@@ -153,10 +156,12 @@ class Step:
 
     @property
     def num_seqs(self) -> int:
+        """Batch entries (contexts first, then generation)."""
         return len(self.rows)
 
     @property
     def total_tokens(self) -> int:
+        """New tokens of the whole step (the write positions' valid prefix)."""
         return int(self.num_tokens.sum())
 
     def finish(self, stream=None) -> None:
@@ -185,6 +190,7 @@ class Step:
         return True
 
     def unfinished_ranks(self) -> List[int]:
+        """The devices whose finish was not recorded yet."""
         return [d.rank for d in self.devices if d.finished is None]
 
     def is_complete(self) -> bool:

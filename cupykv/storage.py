@@ -205,14 +205,17 @@ class KVStorage:
     # -- views -----------------------------------------------------------------------------------
     @property
     def num_groups(self) -> int:
+        """The layer groups, one KV array each."""
         return len(self.arrays)
 
     def group_of(self, layer: int) -> int:
+        """The group of a layer (whose array holds its pages)."""
+        layer = as_count(layer, "KVStorage.group_of: layer", maximum=self.layout.num_layers - 1)
         return int(self.layout.layer_group[layer])
 
     def pages(self, group: int):
         """Page view of a group: [slots * scale, tpb, kv_heads, head_dim] (a view, no copy)."""
-        a = self.arrays[group]
+        a = self.arrays[as_count(group, "KVStorage.pages: group", maximum=len(self.arrays) - 1)]
         return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
 
     def layer_pages(self, layer: int):
@@ -222,11 +225,13 @@ class KVStorage:
     def null_pages(self, group: int):
         """The null slot's pages of a group, [scale, tpb, kv_heads, head_dim] (a view; always zeros), or
         None when the spec has no null slot (CacheSpec.null_slot)."""
+        group = as_count(group, "KVStorage.null_pages: group", maximum=len(self.arrays) - 1)
         nulls = self.layout.null_slots
         return None if nulls is None else self.arrays[group][nulls[group]]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every group's KV array."""
         return sum(int(a.nbytes) for a in self.arrays)
 
     # -- writes ----------------------------------------------------------------------------------
@@ -377,7 +382,8 @@ class KVStorage:
                 pass            # refused below
         if not self.backend.is_stream(stream):
             raise InvalidRequestError(f"KVStorage.{what}: stream={stream!r} is not a stream of the "
-                                      f"{self.backend.name} backend (or a torch.cuda.Stream)")
+                                      f"{self.backend.name} backend's device {self.backend.device_id} (or a "
+                                      "torch.cuda.Stream of it)")
         return stream
 
     def _source_dtype(self, name: str, array) -> str:

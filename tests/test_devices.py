@@ -191,6 +191,10 @@ def test_finish_per_device(backend_name):
     other = mgr.backends[1].new_stream()
     with pytest.raises(cupykv.StepOrderError, match="step.on"):
         step.finish(other)
+    if len(set(mgr.devices)) > 1:         # (two backends of one GPU share its streams)
+        with pytest.raises(cupykv.InvalidRequestError, match="device 0"):
+            step.on(0).finish(other)          # device 1's stream: accepted before on the host backend
+        assert step.on(0).finished is None
     step.on(0).finish()
     assert not step.is_finished()
     mgr.settle(step)

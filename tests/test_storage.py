@@ -253,6 +253,19 @@ def test_storage_write_validation():
     assert st.errors() == 0
 
 
+def test_page_views_take_a_group_or_layer_in_range():
+    """-1 read the last group's pages (Python indexing) before."""
+    mgr = make_mgr("host", "shared", null_slot=True)
+    st = KVStorage(mgr)
+    for call, what in ((st.pages, "pages: group"), (st.null_pages, "null_pages: group"),
+                       (st.group_of, "group_of: layer"), (st.layer_pages, "group_of: layer")):
+        for bad in (-1, 99, 1.0, True):
+            with pytest.raises(cupykv.InvalidRequestError, match=what):
+                call(bad)
+    assert st.pages(np.int8(1)).shape[0] == mgr.layout.slots_per_group[1] * mgr.layout.groups[1].scale
+    assert st.group_of(np.uint16(1)) == int(mgr.layout.layer_group[1])
+
+
 def test_write_and_gather_need_the_latest_unfinished_step_of_the_manager():
     """A write or gather enqueued after the step's finish is covered by no event: the next step may reuse
     the write positions and the released slots before it runs (a late write of a freed request's step, held

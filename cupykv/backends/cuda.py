@@ -515,6 +515,7 @@ class CudaBackend:
         self.device_id = cupy.cuda.Device(device).id
         with self.device_context():
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            self._context = driver.ctxGetCurrent()      # the device's primary context: its streams' (is_stream)
             # Made now, not at the first capture: that capture may come while another stream is held, and
             # nothing that can wait for the device may run then.
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)
@@ -539,10 +540,11 @@ class CudaBackend:
         return DeviceScope(self.device_id)
 
     # -- streams and events --------------------------------------------------------------------
-    @staticmethod
-    def is_stream(obj) -> bool:
-        """Whether obj is a stream this backend can enqueue on (a CuPy stream, or an external one)."""
-        return isinstance(obj, (cupy.cuda.Stream, cupy.cuda.ExternalStream))
+    def is_stream(self, obj) -> bool:
+        """Whether obj is a stream this backend can enqueue on: a CuPy stream, or an external one, of this
+        backend's device (an event of one device cannot be recorded on another's stream)."""
+        return (isinstance(obj, (cupy.cuda.Stream, cupy.cuda.ExternalStream))
+                and driver.streamGetCtx(obj.ptr) == self._context)
 
     def new_stream(self, name: str = "stream") -> cupy.cuda.Stream:
         """A non-blocking stream (so nothing is implicitly ordered with the legacy default stream)."""

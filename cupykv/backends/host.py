@@ -42,9 +42,10 @@ class SimDevice:
 
 
 class SimStream:
-    def __init__(self, device: SimDevice, name: str = "stream"):
+    def __init__(self, device: SimDevice, name: str = "stream", device_id: int = 0):
         self.device = device
         self.name = name
+        self.device_id = device_id          # the simulated device it belongs to (HostBackend.device_id)
         self.queue: Deque[Tuple[Callable[[], bool], Callable[[], None]]] = deque()
         device.streams.append(self)
 
@@ -124,17 +125,16 @@ class HostBackend:
         # Ranks of one multi-device manager share a SimDevice, so that draining runs every rank's streams.
         self.device = device if device is not None else SimDevice()
         self.device_id = device_id          # a label: the simulated device this backend stands for
-        self.stream = SimStream(self.device, f"manager stream {device_id}")
+        self.stream = SimStream(self.device, f"manager stream {device_id}", device_id)
         self.pinned_pool = SimPinnedPool()
 
     # streams and events
-    @staticmethod
-    def is_stream(obj) -> bool:
-        """Whether obj is a stream this backend can enqueue on (a simulated stream)."""
-        return isinstance(obj, SimStream)
+    def is_stream(self, obj) -> bool:
+        """Whether obj is a stream this backend can enqueue on: a simulated stream of its device."""
+        return isinstance(obj, SimStream) and obj.device_id == self.device_id
 
     def new_stream(self, name: str = "stream") -> SimStream:
-        return SimStream(self.device, name)
+        return SimStream(self.device, name, self.device_id)
 
     def record(self, stream: SimStream) -> SimEvent:
         return SimEvent(self.device).record(stream)
