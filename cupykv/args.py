@@ -70,6 +70,9 @@ def request_ids(generation) -> list:
         return generation.tolist()
     if isinstance(generation, (str, bytes)) or not isinstance(generation, Iterable):
         raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids")
+    if isinstance(generation, (set, frozenset, Mapping)):       # the batch order would be theirs, or keys
+        raise InvalidRequestError(f"generation={generation!r}: a {type(generation).__name__} is not a batch order; "
+                                  "pass a list of request ids (num_gen_tokens= gives the tokens of each)")
     return list(generation)
 
 

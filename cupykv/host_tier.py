@@ -59,7 +59,11 @@ class HostTier:
             raise InvalidSpecError(f"host_tier_bytes={nbytes}: too small for one slot of every group "
                                    f"(slot bytes per group: {slot_bytes})")
         self.slot_bytes = slot_bytes
-        self.pools = [self.backend.pinned_bytes(n * b).reshape(n, b) for n, b in zip(slots, slot_bytes)]
+        try:
+            self.pools = [self.backend.pinned_bytes(n * b).reshape(n, b) for n, b in zip(slots, slot_bytes)]
+        except (MemoryError, ValueError, RuntimeError) as exc:    # numpy's, and CUDA's through CuPy
+            raise InvalidSpecError(f"host_tier_bytes={nbytes}: cannot allocate that much pinned host memory "
+                                   f"({type(exc).__name__}: {exc})") from exc
         self._free: List[List[int]] = [list(range(n - 1, -1, -1)) for n in slots]   # lowest on top
         self._returning: List[Tuple[object, int, np.ndarray]] = []   # (event, group, host slots)
         self.held: Dict[Hashable, _Suspended] = {}

@@ -583,6 +583,8 @@ def test_malformed_batch_arguments():
     prefilled(mgr, "A", 20)
     mgr.add("B", 40)
     expect_fail(mgr, CupykvError, ["generation", "5"], lambda: mgr.prepare_batch(generation=5))
+    expect_fail(mgr, CupykvError, ["generation", "set", "batch order"], lambda: mgr.prepare_batch(generation={"A"}))
+    expect_fail(mgr, CupykvError, ["generation", "dict"], lambda: mgr.prepare_batch(generation={"A": 1}))
     expect_fail(mgr, CupykvError, ["contexts", "5"], lambda: mgr.prepare_batch(contexts=5))
     expect_fail(mgr, CupykvError, ["context", "7"], lambda: mgr.prepare_batch(contexts=[7]))
     expect_fail(mgr, CupykvError, ["'B'", str(BIG)], lambda: mgr.prepare_batch(contexts={"B": BIG}))
