@@ -275,6 +275,9 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     if not step.is_current:
         raise StepOrderError(f"csr_views: step {step.id} is not the latest prepared step; its tables were "
                              "overwritten by a later prepare_batch")
+    if step.finished is not None:   # the CSR work and its reads would come after the finish: nothing orders them
+        raise StepOrderError(f"csr_views: step {step.id} was finished; take its CSR views (and read them) "
+                             "before step.finish(), which orders the next step's writes after those reads")
     lay, be = step.layout, step.backend
     shared = lay.spec.table_mode == "shared"
     if layer is not None:

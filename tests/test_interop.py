@@ -157,6 +157,8 @@ def test_csr_views_argument_errors():
         with pytest.raises(cupykv.InvalidRequestError, match="rank"):
             CsrBuffers(mgr, rank=rank)
     step.finish()
+    with pytest.raises(cupykv.StepOrderError, match="was finished"):   # its CSR work would follow the finish
+        csr_views(step, 0)
     mgr.settle(step)
     mgr.prepare_batch((), ["a"])
     with pytest.raises(cupykv.StepOrderError, match="latest"):
