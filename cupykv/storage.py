@@ -306,13 +306,16 @@ class KVStorage:
     def gather(self, step, layer: int, stream=None) -> Tuple[object, object]:
         """Read back K/V of the step's new tokens for one layer from their write positions:
         ([num_tokens, kv_heads, head_dim], same for V; undefined for tokens whose write page is BAD).
-        Ordered on `stream` (default the manager stream) after the work already enqueued there; on the host
-        backend this waits for it. As for write(): the latest prepared step, before its finish."""
+        Ordered on `stream` (default the manager stream; another stream is made to wait on step.ready first)
+        after the work already enqueued there; on the host backend this waits for it. As for write(): the
+        latest prepared step, before its finish."""
         be = self.backend
         step = self._writable(step, "gather")
         layer = as_count(layer, "KVStorage.gather: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
         st = be.stream if stream is None else self._stream(stream, "gather")
+        if st is not be.stream:         # as for write(): the write positions are the step's once it is ready
+            be.wait(st, step.ready)
         # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
         dst = self.layer_pages(layer).view(self._words)
         # A token whose write page is BAD was not written (errors() counts it): its values here are

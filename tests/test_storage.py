@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv.backends.host import HostBackend
+from cupykv.backends.host import DeviceBlockedError, HostBackend
 from cupykv.layout import Layout
 from cupykv.spec import CacheSpec
 from cupykv.staging import pack_snapshot, snapshot_words
@@ -264,6 +264,27 @@ def test_page_views_take_a_group_or_layer_in_range():
                 call(bad)
     assert st.pages(np.int8(1)).shape[0] == mgr.layout.slots_per_group[1] * mgr.layout.groups[1].scale
     assert st.group_of(np.uint16(1)) == int(mgr.layout.layer_group[1])
+
+
+def test_gather_on_another_stream_waits_for_the_step():
+    """The write positions are the step's only once it is ready: a gather on a consumer stream waits on
+    step.ready as write() does (before, it read them at once). The manager stream is gated, so the step's
+    build cannot have run: the host backend's gather, which waits for its stream, cannot complete."""
+    mgr = make_mgr("host", "shared")
+    st = KVStorage(mgr)
+    be = mgr.backend
+    consumer = be.new_stream("consumer")
+    mgr.add("a", 8)
+    gate = be.gate(be.stream)
+    step = mgr.prepare_batch({"a": 8})
+    with pytest.raises(DeviceBlockedError):
+        st.gather(step, 0, stream=consumer)
+    gate.open()
+    k = np.full((8, mgr.spec.num_kv_heads, mgr.spec.head_dim), 5, np.float32)
+    st.write(step, 0, k, k, stream=consumer)
+    assert (st.gather(step, 0, stream=consumer)[0] == 5).all()
+    step.finish(consumer)
+    mgr.settle(step)
 
 
 def test_write_and_gather_need_the_latest_unfinished_step_of_the_manager():
