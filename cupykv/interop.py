@@ -263,7 +263,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     first.
 
     Computed on the device from the step's output tables, on the manager stream after step.ready (no host
-    synchronization); `ready` orders consumers after it. Call before the next prepare_batch.
+    synchronization); `ready` orders consumers after it. Call (and read the views) before step.finish().
     buffers: fixed-capacity CsrBuffers to write into (fixed addresses); None allocates per call.
     """
     if (group is None) == (layer is None):

@@ -253,7 +253,8 @@ class KVStorage:
         copied to the device first, which waits for that copy.
 
         With scratch reuse, layers alias each other's scratch pages: write layer l and run its attention
-        before writing layer l + 1. Call before the next prepare_batch (it overwrites the write positions).
+        before writing layer l + 1. Call before step.finish(): a finished step is refused, since the next
+        prepare_batch could overwrite the write positions (and reuse released slots) before a later write ran.
         Tokens whose write page is BAD or out of range are skipped and counted (see errors()).
         """
         step = self._writable(step, "write")
