@@ -118,10 +118,9 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     if arr.ndim != 1 or len(arr) != length:
         raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
     if arr.dtype.kind == "O":
-        bad = [t for t in arr if not is_count(t)][:1]       # (a default of None would hide a None id)
-        if bad:
-            bad = bad[0]
-            raise InvalidRequestError(f"{what}: token ids must be ints (got {bad!r}, a {type(bad).__name__})")
+        for t in arr:
+            if not is_count(t):
+                raise InvalidRequestError(f"{what}: token ids must be ints (got {t!r}, a {type(t).__name__})")
     elif arr.dtype.kind not in "iu":
         raise InvalidRequestError(f"{what}: token ids must be ints (got dtype {arr.dtype})")
     try:

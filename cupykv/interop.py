@@ -272,12 +272,7 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
         raise StepOrderError(f"csr_views: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
     if buffers is not None and not isinstance(buffers, CsrBuffers):
         raise InvalidRequestError(f"csr_views: buffers={buffers!r} must be a CsrBuffers (or None)")
-    if not step.is_current:
-        raise StepOrderError(f"csr_views: step {step.id} is not the latest prepared step; its tables were "
-                             "overwritten by a later prepare_batch")
-    if step.finished is not None:   # the CSR work and its reads would come after the finish: nothing orders them
-        raise StepOrderError(f"csr_views: step {step.id} was finished; take its CSR views (and read them) "
-                             "before step.finish(), which orders the next step's writes after those reads")
+    (step if isinstance(step, DeviceStep) else step.on(0)).check_open("csr_views")
     lay, be = step.layout, step.backend
     shared = lay.spec.table_mode == "shared"
     if layer is not None:

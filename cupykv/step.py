@@ -89,6 +89,19 @@ class DeviceStep:
                                       "stream: cupykv.interop.finish_on_torch)")
         self.finished = be.record(stream if stream is not None else be.stream)
 
+    def check_open(self, what: str) -> None:
+        """Raise StepOrderError unless work for this step on this device may still be enqueued (KV writes and
+        reads at its write positions, CSR views of its tables): the step is the latest prepared (a later
+        prepare overwrote its buffers) and its finish was not recorded (work after the finish is covered by
+        no event: the next step may overwrite the buffers, and reuse released slots, before it runs)."""
+        if not self.is_current:
+            raise StepOrderError(f"{what}: step {self.step.id} is not the latest prepared step; its tables and "
+                                 "write positions were overwritten by a later prepare_batch")
+        if self.finished is not None:
+            raise StepOrderError(f"{what}: step {self.step.id} was finished on device {self.rank}; enqueue work for "
+                                 "a step (and read what it gives) before step.finish(), which orders the next "
+                                 "step after it")
+
     def is_complete(self) -> bool:
         """True once this device's finish event has completed."""
         return self.finished is not None and self.finished.done()

@@ -142,14 +142,10 @@ class KVStorage:
             self.layout = manager_or_layout
             if backend is None:
                 raise InvalidRequestError("KVStorage(layout, backend, dtype): a layout needs a backend")
+            from .backends import make_backend
+            backend = make_backend(backend)         # a name, or an object checked as the manager checks it
         else:
             raise TypeError(f"KVStorage needs a KVCacheManager or a Layout, got {type(manager_or_layout).__name__}")
-        if isinstance(backend, str):
-            from .backends import make_backend
-            backend = make_backend(backend)
-        if not hasattr(backend, "xp"):
-            raise InvalidRequestError(f"KVStorage: backend={backend!r} is not a backend ('cuda', 'host', 'auto' or "
-                                      "a backend object)")
         self.backend = backend
         self.xp = backend.xp
         spec = self.layout.spec
@@ -271,9 +267,7 @@ class KVStorage:
                                           "(the step's new tokens, batch order)")
             sources.append(self._source_dtype(name, a))
         be = self.backend
-        st = be.stream if stream is None else self._stream(stream, "write")
-        if st is not be.stream:
-            be.wait(st, step.ready)
+        st = self._stream(stream, step, "write")
         dst = self.layer_pages(layer).view(self._words)
         pages = step.write_pages[layer]
         offsets = step.write_offsets
@@ -314,9 +308,7 @@ class KVStorage:
         step = self._writable(step, "gather")
         layer = as_count(layer, "KVStorage.gather: layer", maximum=self.layout.num_layers - 1)
         n = int(np.sum(step.num_tokens))
-        st = be.stream if stream is None else self._stream(stream, "gather")
-        if st is not be.stream:         # as for write(): the write positions are the step's once it is ready
-            be.wait(st, step.ready)
+        st = self._stream(stream, step, "gather")
         # Gathered as raw words: CuPy's indexing kernels need no bfloat16 type then.
         dst = self.layer_pages(layer).view(self._words)
         # A token whose write page is BAD was not written (errors() counts it): its values here are
@@ -343,19 +335,12 @@ class KVStorage:
     # -- internals -------------------------------------------------------------------------------
     def _writable(self, step, what: str):
         """The step's view on this storage's device, if its write positions may be used now: a step of this
-        storage's manager, the latest prepared (a later prepare overwrites the write positions) and not
-        yet finished on this device (work enqueued after its finish is covered by no event: the next step
-        may reuse the positions, and released slots, before it runs)."""
+        storage's manager, open on this device (DeviceStep.check_open)."""
         mgr = self.manager
         if mgr is None or getattr(step, "owner", None) is not mgr:
             raise StepOrderError(f"KVStorage.{what}: the step must come from the manager this storage was made for")
         step = self._view(step)
-        if not step.is_current:
-            raise StepOrderError(f"KVStorage.{what}: step {step.id} is not the latest prepared step; its write "
-                                 "positions were overwritten by a later prepare_batch")
-        if step.finished is not None:
-            raise StepOrderError(f"KVStorage.{what}: step {step.id} was finished on device {step.rank}; write and "
-                                 "gather before step.finish(), which orders the next step after them")
+        step.check_open(f"KVStorage.{what}")
         return step
 
     def _view(self, step):
@@ -376,8 +361,13 @@ class KVStorage:
     def _sync(self) -> None:
         self.backend.stream.synchronize()
 
-    def _stream(self, stream, what: str):
-        """A stream of this storage's backend: torch streams become CuPy streams on the CUDA backend."""
+    def _stream(self, stream, step, what: str):
+        """The stream work for `step` goes on: the manager stream by default, else `stream` (a stream of this
+        storage's backend; torch streams become CuPy streams on the CUDA backend), made to wait on
+        step.ready (the write positions are the step's once it is ready)."""
+        be = self.backend
+        if stream is None:
+            return be.stream
         if self.xp is not np and not hasattr(stream, "ptr"):
             from .backends.cuda import cupy_stream
             try:
@@ -386,8 +376,9 @@ class KVStorage:
                 pass            # refused below
         if not self.backend.is_stream(stream):
             raise InvalidRequestError(f"KVStorage.{what}: stream={stream!r} is not a stream of the "
-                                      f"{self.backend.name} backend's device {self.backend.device_id} (or a "
-                                      "torch.cuda.Stream of it)")
+                                      f"{be.name} backend's device {be.device_id} (or a torch.cuda.Stream of it)")
+        if stream is not be.stream:
+            be.wait(stream, step.ready)
         return stream
 
     def _source_dtype(self, name: str, array) -> str:

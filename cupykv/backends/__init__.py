@@ -15,8 +15,8 @@ import numpy as np
 from ..errors import BackendUnavailableError, InvalidSpecError
 
 
-# What the manager reads of a backend object first; a backend offers all of host.HostBackend's interface.
-BACKEND_INTERFACE = ("stream", "is_stream", "record", "wait", "synchronize", "pinned_empty", "device_empty",
+# What cupykv reads of a backend object first; a backend offers all of host.HostBackend's interface.
+BACKEND_INTERFACE = ("xp", "stream", "is_stream", "record", "wait", "synchronize", "pinned_empty", "device_empty",
                      "step_plan")
 
 
