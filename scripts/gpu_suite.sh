@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census]
+# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -100,6 +100,11 @@ for part in $parts; do
       for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
       timeout 120 python3 scripts/host_floor.py 1 256 >>"$OUT/census.log" 2>&1
       cat "$OUT/census.log" ;;
+    probes)   # what a kernel pays to read a snapshot (pinned, device memory, parameters), and what a graph
+              # replay would pay to carry it in its parameters (cuGraphExecKernelNodeSetParams)
+      run snapshot_probe timeout 120 python3 scripts/snapshot_probe.py
+      run graph_params_probe timeout 120 python3 scripts/graph_params_probe.py
+      cat "$OUT/snapshot_probe.log" "$OUT/graph_params_probe.log" ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
     profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice;
