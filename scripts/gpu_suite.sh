@@ -41,7 +41,7 @@ for part in $parts; do
     sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all;
                 # SANITIZE_TESTS / SANITIZE_K: other test files / another -k selection
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-        run "sanitizer_$tool" timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        run "sanitizer_$tool" timeout ${SANITIZE_TIMEOUT:-540} compute-sanitizer --tool "$tool" --error-exitcode 99 \
             python3 -m pytest ${SANITIZE_TESTS:-tests/test_cuda_kernels.py tests/test_races.py tests/test_graphs.py \
             tests/test_prefix_races.py tests/test_host_tier.py tests/test_cache_host_tier.py} -q -p no:cacheprovider \
             -k "${SANITIZE_K:-((cuda and exact) or (cuda and not kernels_match) or graph) and not fresh_process and not module_loaded_behind and not stateful}"
