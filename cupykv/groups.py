@@ -67,7 +67,8 @@ class LayerGroup:
 
     # -- rules built on it -------------------------------------------------------------------------
     def stale_range(self, history: int) -> Tuple[int, int]:
-        """Blocks no future query can see once `history` tokens are settled: [lo, hi), or (0, 0)."""
+        """Blocks no future query can see once `history` tokens are settled: [lo, hi); empty when none is,
+        (0, 0) for full attention and (sink_blocks, sink_blocks) for a window."""
         lo, hi = self.sink_blocks, int(self.stale_end(history))
         return (lo, hi) if hi > lo else ((0, 0) if self.keeps_every_block else (lo, lo))
 

@@ -2,8 +2,9 @@
 page lists per group or layer for FlashInfer-style consumers.
 
 Ordering. A step's buffers are written on the manager stream; `step.ready` is recorded after them. Every
-export here makes the consumer's stream (a given torch stream, default torch.cuda.current_stream()) wait
-on that event explicitly, then exports with DLPack stream=-1 (no ordering), so nothing depends on which
+export of a step's buffers here makes the consumer's stream (a given torch stream, default
+torch.cuda.current_stream()) wait on that event explicitly (pages_to_torch waits on the event it is given,
+none by default: KV written on the consumer's stream needs none), then exports with DLPack stream=-1 (no ordering), so nothing depends on which
 CuPy stream happens to be current at export time (ndarray.__dlpack__(stream=s) orders s after CuPy's
 *current* stream, not after the stream that wrote the data). When the consumer is done, record that on
 its stream with finish_on_torch(step, stream); the next prepare_batch waits for it on the device.

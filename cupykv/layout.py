@@ -1,5 +1,5 @@
 """The layout of one spec: its layer groups (groups.py holds their block rules) and the page math of
-docs/design.md (section 2 of the design contract).
+the README's Concepts section.
 
 Everything here is a pure function of the spec: no state, no allocation.
 """

@@ -2,8 +2,9 @@
 
 A step's asynchronous host inputs travel to the device as one int32 snapshot, laid out as below, copied
 with one H2D copy from a pinned ring slot. A ring slot is written again only after the event recorded
-after its last copy has completed, and ring buffers live as long as the manager: CuPy's pinned pool
-would hand a dropped buffer to the next allocation while its copy may still be pending.
+after its last copy has completed, and a slot's pinned buffer is dropped only then (when the slot grows:
+SnapshotRing._fit): CuPy's pinned pool would hand a dropped buffer to the next allocation while its copy
+may still be pending. A grown slot's device buffers are retired, not dropped (kernels may still read them).
 
 Snapshot layout (int32 words; the device kernels read every count from the header):
 

@@ -1,7 +1,7 @@
 """KV storage owned by cupykv: one device array per layer group, addressed by the manager's page indices.
 
 Group g holds `[slots_g, scale_g, tpb, kv_heads, head_dim]`; its page view `[slots_g * scale_g, tpb,
-kv_heads, head_dim]` is what page indices address (docs/design.md, Concepts): page p of layer l is
+kv_heads, head_dim]` is what page indices address (README, Concepts): page p of layer l is
 `pages(group(l))[p]`, K at the index the tables give, V at K + 1.
 
 With CacheSpec(null_slot=True) each group's last slot is the null slot: the tables' BAD cells (and
