@@ -12,7 +12,7 @@ times, for a kernel that reads a header and 64 words at the offset it gives (sna
 
 Host: the call(s) alone. Device: GPU time between events around them, the stream held by the CUDA backend's
 gate while the host enqueues. Each replay's output is checked against the slot as it was at the set-params
-call (the slot is rewritten after every call, so a replay that read it late would see the next value).
+call (the probe writes -1 into the slot right after every call, so a kernel that read it late sees -1).
 
     python scripts/graph_params_probe.py [reps]
 """
@@ -24,15 +24,11 @@ import cupy
 import numpy as np
 from cupy.cuda import driver
 
-SRC = r"""
+from snapshot_probe import USE, pinned_snapshot     # scripts/ is on the path when run as a script
+
+SRC = USE + r"""
 struct Snap { int w[960]; };
 
-__device__ __forceinline__ void use(const int* s, int* out)
-{
-    const int n = s[0];
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        out[i] = s[s[1] + i];
-}
 extern "C" __global__ void k_copy(const int* s, int* twin, int words, int* out)
 {
     for (int i = threadIdx.x; i < words; i += blockDim.x)
@@ -71,10 +67,7 @@ def main(reps: int = 400) -> None:
     mod = cupy.RawModule(code=SRC, options=("-std=c++17",))
     stream = be.stream
     words = 1024
-    host = cupy.cuda.alloc_pinned_memory(words * 4)
-    snap = np.frombuffer(host, np.int32, words)
-    snap[:] = np.arange(words)
-    snap[0], snap[1] = 64, 16                  # 64 words at offset 16
+    host, snap = pinned_snapshot(words)
     twin = cupy.empty(words, np.int32)
     out = cupy.zeros(words, np.int32)
     cells = {

@@ -14,16 +14,18 @@ import cupy
 import numpy as np
 from cupy.cuda import driver
 
-SRC = r"""
-template <int W> struct Snap { int w[W]; };
-
-// the step's pattern: the header, then words at offsets the header gives, then a write
+# the step's pattern: the header, then words at offsets the header gives, then a write
+USE = r"""
 __device__ __forceinline__ void use(const int* s, int* out)
 {
     const int n = s[0];
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         out[i] = s[s[1] + i];
 }
+"""
+
+SRC = USE + r"""
+template <int W> struct Snap { int w[W]; };
 
 extern "C" __global__ void k_empty(const int* s, int* out) { if (threadIdx.x == 0) out[0] = 1; }
 extern "C" __global__ void k_ptr(const int* s, int* out) { use(s, out); }
@@ -39,16 +41,23 @@ extern "C" __global__ void k_param8k(const __grid_constant__ Snap<8000> s, int* 
 """
 
 
+def pinned_snapshot(words: int):
+    """(pinned memory, its int32 view) of `words` words holding 0, 1, ...; the header says: the 64 words at
+    offset 16 (what `use` reads)."""
+    host = cupy.cuda.alloc_pinned_memory(words * 4)
+    snap = np.frombuffer(host, np.int32, words)
+    snap[:] = np.arange(words)
+    snap[0], snap[1] = 64, 16
+    return host, snap
+
+
 def main(reps: int = 400) -> None:
     from cupykv.backends.cuda import CudaBackend
     be = CudaBackend()
     mod = cupy.RawModule(code=SRC, options=("-std=c++17",))
     stream = be.stream
     words = 8000
-    host = cupy.cuda.alloc_pinned_memory(words * 4)
-    snap = np.frombuffer(host, np.int32, words)
-    snap[:] = np.arange(words)
-    snap[0], snap[1] = 64, 16                  # 64 words at offset 16
+    host, snap = pinned_snapshot(words)
     dev = cupy.asarray(snap)
     twin = cupy.empty(words, np.int32)
     out = cupy.zeros(words, np.int32)
