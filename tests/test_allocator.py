@@ -377,3 +377,63 @@ def test_stale_swa_blocks_are_quarantined_until_the_step_finishes():
     assert group_stat(mgr, "quarantined") == [0, 0]
     assert held <= set(mgr.pools[0].free_slots().tolist())
     check_stats(mgr)
+
+
+def test_a_window_block_released_by_an_older_settle_stays_quarantined_for_the_later_step():
+    """Overlap: step n+1 is prepared before step n settles, so n+1's tables still map the window blocks
+    that settle(n) releases. Those slots must stay quarantined until n+1 finishes, not only until n does
+    (the quarantine tag is the latest prepared step, not the settled one)."""
+    def held(rid):
+        return [set(slots.tolist()) for _, slots in mgr.resident_blocks(rid)]
+
+    mgr = small_mgr()
+    mgr.add("A", 40)
+    s = mgr.prepare_batch(contexts={"A": 40})
+    s.finish()
+    mgr.settle(s)
+    released = None
+    for _ in range(64):          # decode in overlapped pairs until a settle releases a window block
+        older = mgr.prepare_batch(generation=["A"])
+        older.finish()
+        later = mgr.prepare_batch(generation=["A"])
+        before = held("A")
+        mgr.settle(older)
+        gone = [b - a for b, a in zip(before, held("A"))]
+        if any(gone):
+            released = gone
+            break
+        later.finish()
+        mgr.settle(later)
+    assert released is not None, "no window block left the window"
+    mgr.synchronize()            # the older step is complete; the later one is not even finished
+    for p, slots in enumerate(released):
+        assert not slots & set(mgr.pools[p].free_slots().tolist()), \
+            f"group {p}: slots {sorted(slots)} are free while the later step's tables still map them"
+    later.finish()
+    mgr.settle(later)
+    mgr.synchronize()
+    for p, slots in enumerate(released):
+        assert slots <= set(mgr.pools[p].free_slots().tolist())
+    check_stats(mgr)
+
+
+def test_a_shortage_the_quarantine_cannot_cover_fails_without_waiting(monkeypatch):
+    """When even the free and quarantined slots together fall short, prepare_batch raises OutOfSlotsError
+    at once: waiting for finish events (up to staging_timeout_s each on a GPU) could not help."""
+    mgr = small_mgr(slots_per_group=4)
+    be = mgr.backend
+    mgr.add("A", 64)
+    gate = be.gate(be.stream)
+    s0 = mgr.prepare_batch(contexts={"A": 64})
+    s0.finish()
+    mgr.settle(s0)
+    mgr.free("A")
+    assert group_stat(mgr, "quarantined") == [4, 4]
+    mgr.add("B", 96)             # 6 blocks of the full group: more than free + quarantined
+    waited = []
+    monkeypatch.setattr(type(s0), "wait_finished", lambda self, timeout=None: waited.append(self.id) or False)
+    with pytest.raises(OutOfSlotsError):
+        mgr.prepare_batch(contexts={"B": 96})
+    assert waited == [], "waited for finish events whose quarantine cannot cover the shortfall"
+    assert group_stat(mgr, "quarantined") == [4, 4]
+    gate.open()

@@ -227,3 +227,20 @@ def test_a_device_hit_on_blocks_still_copied_back_waits_for_the_copy(backend_nam
                      for role in (0, 1)])                   # [pages, 40 positions, heads, dim]
     want = want.reshape(len(want), 5, TPB, 1, 4).swapaxes(0, 1)
     assert np.array_equal(got, want) == ordered
+
+
+def test_a_host_hit_that_needs_slots_held_by_its_own_device_hits_is_refused_whole(backend_name):
+    """add() with hits on both tiers: the host hits need free device slots, and the evictable slots of the
+    device hits do not count as room (they become the request's own). With no room, add() falls back to
+    what the device alone can give (here nothing) and changes no pool."""
+    mgr, storage = make(backend_name)
+    a = list(range(100, 140))                            # 5 blocks, 40 tokens
+    prefill(mgr, storage, "a", a)
+    mgr.free("a")
+    mgr.reclaim(wait=True)
+    prefill(mgr, storage, "c", list(range(500, 572)))    # 9 blocks: 2 of a's go to the host tier, 3 stay evictable
+    mgr.reclaim(wait=True)
+    before = mgr.stats()["groups"][1]
+    assert before["free"] == 0 and before["evictable"] == 3
+    assert mgr.add("b", 48, tokens=a + [1] * 8) == 0
+    assert mgr.stats()["groups"][1] == before

@@ -1200,3 +1200,24 @@ def test_a_row_reused_after_a_free_during_copy_back_does_not_wait_for_it():
     mgr.settle(step)
     mgr.synchronize()
     assert mgr.stats()["groups"][0]["quarantined"] == 0
+
+
+def test_resumed_host_slots_return_only_after_the_copy_back(backend_name):
+    """resume() hands the request's host slots back only once the copy back has completed: until then
+    the copy reads them, and a suspend in between must not be given them (it would count them free)."""
+    rig = Rig(backend_name)
+    mgr, be = rig.mgr, rig.be
+    rig.add("a", 75)
+    rig.add("b", 20)
+    rig.prefill(["a", "b"])
+    mgr.synchronize()
+    want = [len(b) for b in rig.expected_blocks("a")]
+    rig.suspend("a")
+    mgr.synchronize()                       # the copy out has completed
+    gate = be.gate(rig.tier.stream)         # hold the copy back
+    rig.resume("a")
+    assert rig.host_used() == want, "host slots came back while the copy back may still read them"
+    gate.open()
+    assert not gate.close_timeout_hit()
+    mgr.synchronize()
+    assert rig.host_used() == [0] * len(want)
