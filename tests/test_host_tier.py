@@ -810,17 +810,22 @@ def test_resume_out_of_device_slots(backend_name):
     rig.check_conservation()
 
 
+def prefilled_a_and_b(backend_name):
+    """A rig with requests a (75 tokens) and b (20) prefilled and synchronized; and a's blocks per group."""
+    rig = Rig(backend_name)
+    rig.add("a", 75)
+    rig.add("b", 20)
+    rig.prefill(["a", "b"])
+    rig.mgr.synchronize()
+    return rig, [len(b) for b in rig.expected_blocks("a")]
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["copied", "copy-pending"])
 def test_free_suspended_returns_host_slots(backend_name, gated):
     """Freeing a suspended request gives its host slots back once its D2H copy has completed (not
     before), and its device slots once that copy and every step so far are done."""
-    rig = Rig(backend_name)
+    rig, want = prefilled_a_and_b(backend_name)
     mgr, be = rig.mgr, rig.be
-    rig.add("a", 75)
-    rig.add("b", 20)
-    rig.prefill(["a", "b"])
-    mgr.synchronize()
-    want = [len(b) for b in rig.expected_blocks("a")]
     gate = be.gate(rig.tier.stream) if gated else None
     rig.suspend("a")
     rig.free("a")
@@ -1205,13 +1210,8 @@ def test_a_row_reused_after_a_free_during_copy_back_does_not_wait_for_it():
 def test_resumed_host_slots_return_only_after_the_copy_back(backend_name):
     """resume() hands the request's host slots back only once the copy back has completed: until then
     the copy reads them, and a suspend in between must not be given them (it would count them free)."""
-    rig = Rig(backend_name)
+    rig, want = prefilled_a_and_b(backend_name)
     mgr, be = rig.mgr, rig.be
-    rig.add("a", 75)
-    rig.add("b", 20)
-    rig.prefill(["a", "b"])
-    mgr.synchronize()
-    want = [len(b) for b in rig.expected_blocks("a")]
     rig.suspend("a")
     mgr.synchronize()                       # the copy out has completed
     gate = be.gate(rig.tier.stream)         # hold the copy back
