@@ -374,7 +374,7 @@ class KVStorage:
                 stream = cupy_stream(stream)
             except TypeError:
                 pass            # refused below
-        if not self.backend.is_stream(stream):
+        if not be.is_stream(stream):
             raise InvalidRequestError(f"KVStorage.{what}: stream={stream!r} is not a stream of the "
                                       f"{be.name} backend's device {be.device_id} (or a torch.cuda.Stream of it)")
         if stream is not be.stream:
