@@ -138,8 +138,8 @@ def finish_on_torch(step, stream=None) -> None:
     """step.finish() recorded on a torch stream (default: torch's current stream on the step's device): the
     consumer's last read of the step's buffers is enqueued there. With several devices pass step.on(rank)
     (a stream belongs to one device)."""
-    if len(getattr(step, "devices", ())) > 1 and not hasattr(step, "rank"):
-        raise StepOrderError(f"step {step.id} runs on {len(step.devices)} devices: finish each with "
+    if len(getattr(step, "parts", ())) > 1 and not hasattr(step, "rank"):
+        raise StepOrderError(f"step {step.id} runs on {len(step.parts)} devices: finish each with "
                              "finish_on_torch(step.on(rank), stream)")
     if step.backend.xp is np:       # no torch stream to record on: the manager stream (torch not needed)
         step.finish()

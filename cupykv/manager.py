@@ -324,7 +324,7 @@ class KVCacheManager:
         spec, lay, reqs, ledger = self.spec, self.layout, self.requests, self.ledger
         if ledger.latest is not None and not ledger.latest.is_finished():
             latest = ledger.latest
-            where = f" on device(s) {latest.unfinished_ranks()}" if len(latest.devices) > 1 else ""
+            where = f" on device(s) {latest.unfinished_ranks()}" if len(latest.parts) > 1 else ""
             raise StepOrderError(f"step {latest.id} is not finished{where}: call step.finish(stream) "
                                  "(step.on(rank).finish(stream) per device) after its consumer's last read, "
                                  "before preparing the next step (the next step overwrites its tables)")

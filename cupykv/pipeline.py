@@ -27,7 +27,7 @@ from .layout import BAD, NO_INDEX, Layout
 from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
                       pow2_buckets, snapshot_words)
 from .entries import EntryMap, most_rebuilt
-from .step import DeviceStep, Step, StepOutputs
+from .step import DevicePart, Step, StepOutputs
 
 # The ring's first slots are sized for a full batch with this many delta runs and changed cells; a larger
 # step grows its slot (staging.SnapshotRing).
@@ -118,12 +118,12 @@ class StepPipeline:
 
     def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, after) -> None:
         """Enqueue the step's device work on every device's manager stream, each after the previous step's
-        finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.devices
+        finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.parts
         and their ready events. cells/values: the table deltas."""
-        step.devices = [DeviceStep(step, m.rank, m.backend, m.outputs) for m in self.mirrors]
-        prev = self._prev.devices if self._prev is not None else ()
-        for view in prev:
-            view.backend.wait(view.backend.stream, view.finished)
+        step.parts = [DevicePart(m.rank, m.backend, m.outputs) for m in self.mirrors]
+        prev = self._prev.parts if self._prev is not None else ()
+        for part in prev:
+            part.backend.wait(part.backend.stream, part.finished)
         for m in self.mirrors:
             for event in after:
                 m.backend.wait(m.backend.stream, event)
@@ -158,11 +158,11 @@ class StepPipeline:
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
                               self.mirrors[0].outputs.write_offsets.size) if self.use_graphs else None
         h2d_words = 0
-        for m, twin, view in zip(self.mirrors, slot.twins, step.devices):
+        for m, twin, part in zip(self.mirrors, slot.twins, step.parts):
             plan = m.plan(twin)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-            view.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries, tokens,
+            part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries, tokens,
                                                 graph)
             h2d_words += plan.h2d_words(words, graph)
         self.h2d_bytes_last_step = h2d_words * 4
@@ -229,7 +229,7 @@ class UnsafeStaging(StepPipeline):
         tmp = self.backend.pinned_temp(words)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
                               NO_INDEX, NO_INDEX, cu_tokens, step.start_positions)
-        for m, view in zip(self.mirrors, step.devices):
+        for m, part in zip(self.mirrors, step.parts):
             be, st, out = m.backend, m.backend.stream, m.outputs
             if self._dev[m.rank] is None or len(self._dev[m.rank]) < words:
                 self._dev[m.rank] = be.device_empty(max(words, 4096))
@@ -238,5 +238,5 @@ class UnsafeStaging(StepPipeline):
             be.copy_h2d(m.mirror, self.table, self.table.size, st)
             be.build_step(st, dev, m.mirror, out.tables, m.row_entry, out.write_pages, out.write_offsets, m.consts,
                           m.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
-            view.ready = be.record(st)
+            part.ready = be.record(st)
         self.h2d_bytes_last_step = (words + self.table.size) * 4 * len(self.mirrors)

@@ -32,27 +32,48 @@ class StepOutputs:
         self.holder = -1             # id of the step whose outputs these buffers hold (the latest prepared)
 
 
-class DeviceStep:
-    """One device's part of a step: that device's output buffers, its ready event and its consumer's
-    finish. Everything else (the batch, the layout, the id) is the step's: attributes it does not hold
-    are read from the step, so a DeviceStep goes wherever a Step does (interop, KVStorage.write).
+class DevicePart:
+    """What one device holds of a step: its backend, output buffers, ready event and consumer finish. It
+    holds no reference back to the step, so a step is freed as soon as nobody holds it (a cycle would leave
+    it, and its pooled events, to the garbage collector)."""
 
-    Consumers on this device wait on `ready` before reading its tables and call finish(stream) after
-    their last read; the step counts as complete once every device's finish has completed.
-    """
+    __slots__ = ("rank", "backend", "outputs", "ready", "finished")
 
-    __slots__ = ("step", "rank", "backend", "outputs", "ready", "finished")
-
-    def __init__(self, step: "Step", rank: int, backend, outputs: StepOutputs):
-        self.step = step
+    def __init__(self, rank: int, backend, outputs: StepOutputs):
         self.rank = rank                 # the device's position in KVCacheManager(devices=...)
         self.backend = backend           # the backend whose streams and events order this device's work
         self.outputs = outputs
         self.ready = None                # event: this device's tables and write positions are written
         self.finished = None             # event: this device's consumer's last read
 
+    def is_complete(self) -> bool:
+        return self.finished is not None and self.finished.done()
+
+
+class DeviceStep:
+    """One device's view of a step: that device's output buffers, its ready event and its consumer's
+    finish (a DevicePart of the step). Everything else (the batch, the layout, the id) is the step's:
+    attributes it does not hold are read from the step, so a DeviceStep goes wherever a Step does (interop,
+    KVStorage.write). step.on(rank) makes a new view each call; views of one device share its part.
+
+    Consumers on this device wait on `ready` before reading its tables and call finish(stream) after
+    their last read; the step counts as complete once every device's finish has completed.
+    """
+
+    __slots__ = ("step", "part")
+
+    def __init__(self, step: "Step", part: DevicePart):
+        self.step = step
+        self.part = part
+
     def __getattr__(self, name):
         return getattr(self.step, name)
+
+    rank = property(lambda self: self.part.rank, doc="The device's position in KVCacheManager(devices=...).")
+    backend = property(lambda self: self.part.backend, doc="The backend whose streams and events order this device's work.")
+    outputs = property(lambda self: self.part.outputs, doc="This device's StepOutputs.")
+    ready = property(lambda self: self.part.ready, doc="Event: this device's tables and write positions are written.")
+    finished = property(lambda self: self.part.finished, doc="Event: this device's consumer's last read (None until finish).")
 
     @property
     def tables(self):
@@ -87,7 +108,7 @@ class DeviceStep:
             raise InvalidRequestError(f"step {self.step.id}: finish(stream={stream!r}): not a stream of the {be.name} "
                                       f"backend's device {be.device_id} (device rank {self.rank}; for a torch "
                                       "stream: cupykv.interop.finish_on_torch)")
-        self.finished = be.record(stream if stream is not None else be.stream)
+        self.part.finished = be.record(stream if stream is not None else be.stream)
 
     def check_open(self, what: str) -> None:
         """Raise StepOrderError unless work for this step on this device may still be enqueued (KV writes and
@@ -104,7 +125,7 @@ class DeviceStep:
 
     def is_complete(self) -> bool:
         """True once this device's finish event has completed."""
-        return self.finished is not None and self.finished.done()
+        return self.part.is_complete()
 
     def on(self, rank: int) -> "DeviceStep":
         """Another device's view of the same step (Step.on)."""
@@ -139,7 +160,7 @@ class Step:
         self.index_rows = index_rows if index_rows is not None else rows.astype(np.int64)
         self.layout = layout                        # cupykv.Layout of the manager
         self.owner = owner                          # identity of the preparing manager (compared, never used)
-        self.devices: List[DeviceStep] = []         # per device, in KVCacheManager(devices=...) order (the pipeline's)
+        self.parts: List[DevicePart] = []           # per device, in KVCacheManager(devices=...) order (the pipeline's)
         self.settled = False
         self.mode: Optional[int] = None             # staging.MODE_FULL or MODE_DELTA (None: unsafe staging)
         # Scratch metadata of the contexts, per group: block range [begs, ends) and the shared slots.
@@ -149,23 +170,28 @@ class Step:
 
     def on(self, rank: int) -> DeviceStep:
         """The step on one device: rank is the device's position in KVCacheManager(devices=...)."""
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < len(self.devices):
-            raise IndexError(f"step {self.id}: rank={rank!r}; the manager has {len(self.devices)} device(s)")
-        return self.devices[int(rank)]
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < len(self.parts):
+            raise IndexError(f"step {self.id}: rank={rank!r}; the manager has {len(self.parts)} device(s)")
+        return DeviceStep(self, self.parts[int(rank)])
 
-    # Device 0's view (the only one of a one-device manager).
-    backend = property(lambda self: self.devices[0].backend)
-    outputs = property(lambda self: self.devices[0].outputs)
-    ready = property(lambda self: self.devices[0].ready, doc="Device 0's ready event.")
-    tables = property(lambda self: self.devices[0].tables, doc=DeviceStep.tables.__doc__)
-    write_pages = property(lambda self: self.devices[0].write_pages, doc=DeviceStep.write_pages.__doc__)
-    write_offsets = property(lambda self: self.devices[0].write_offsets, doc=DeviceStep.write_offsets.__doc__)
-    is_current = property(lambda self: self.devices[0].is_current, doc=DeviceStep.is_current.__doc__)
+    @property
+    def devices(self) -> List[DeviceStep]:
+        """The step's view on every device, in KVCacheManager(devices=...) order (new views each call)."""
+        return [DeviceStep(self, part) for part in self.parts]
+
+    # Device 0's part (the only one of a one-device manager).
+    backend = property(lambda self: self.parts[0].backend)
+    outputs = property(lambda self: self.parts[0].outputs)
+    ready = property(lambda self: self.parts[0].ready, doc="Device 0's ready event.")
+    tables = property(lambda self: self.parts[0].outputs.tables, doc=DeviceStep.tables.__doc__)
+    write_pages = property(lambda self: self.parts[0].outputs.write_pages, doc=DeviceStep.write_pages.__doc__)
+    write_offsets = property(lambda self: self.parts[0].outputs.write_offsets, doc=DeviceStep.write_offsets.__doc__)
+    is_current = property(lambda self: self.parts[0].outputs.holder == self.id, doc=DeviceStep.is_current.__doc__)
 
     @property
     def finished(self):
         """Device 0's finish event (None until recorded); see is_finished() for every device."""
-        return self.devices[0].finished
+        return self.parts[0].finished
 
     @property
     def num_seqs(self) -> int:
@@ -187,37 +213,37 @@ class Step:
         stream belongs to one of them: call step.on(rank).finish(stream) for each; finish() without a
         stream finishes every device on its manager stream.
         """
-        if stream is not None and len(self.devices) > 1:
-            raise StepOrderError(f"step {self.id} runs on {len(self.devices)} devices: finish each with "
+        if stream is not None and len(self.parts) > 1:
+            raise StepOrderError(f"step {self.id} runs on {len(self.parts)} devices: finish each with "
                                  "step.on(rank).finish(stream)")
-        if any(d.finished is not None for d in self.devices):
+        if any(part.finished is not None for part in self.parts):
             raise StepOrderError(f"step {self.id} was already finished")
-        for d in self.devices:
-            d.finish(stream)
+        for part in self.parts:
+            DeviceStep(self, part).finish(stream)
 
     def is_finished(self) -> bool:
         """True once every device's finish was recorded (not necessarily completed)."""
-        for d in self.devices:      # a loop, not all(): this runs on every prepare
-            if d.finished is None:
+        for part in self.parts:     # a loop, not all(): this runs on every prepare
+            if part.finished is None:
                 return False
         return True
 
     def unfinished_ranks(self) -> List[int]:
         """The devices whose finish was not recorded yet."""
-        return [d.rank for d in self.devices if d.finished is None]
+        return [part.rank for part in self.parts if part.finished is None]
 
     def is_complete(self) -> bool:
         """True once every device's finish event has completed (the step's slots may then be reused)."""
-        for d in self.devices:      # a loop, not all(): the ledger polls this on every prepare
-            if not d.is_complete():
+        for part in self.parts:     # a loop, not all(): the ledger polls this on every prepare
+            if not part.is_complete():
                 return False
         return True
 
     def wait_finished(self, timeout: Optional[float] = None) -> bool:
         """Host wait for every device's recorded finish event; False when one did not complete in time, or
         was never recorded (finish() not called on that device: nothing will complete)."""
-        for d in self.devices:
-            if d.finished is None or not d.finished.wait(timeout):
+        for part in self.parts:
+            if part.finished is None or not part.finished.wait(timeout):
                 return False
         return True
 

@@ -212,7 +212,41 @@ def test_finish_per_device(backend_name):
     assert all(v.finished is not None for v in s.devices)
     with pytest.raises(IndexError, match="2 device"):
         s.on(2)
-    assert s.on(np.int64(1)) is s.devices[1]
+    assert s.on(np.int64(1)).part is s.parts[1] and s.on(1).rank == 1
+
+
+def test_a_step_nobody_holds_is_freed_without_the_garbage_collector(backend_name):
+    """A step and its device views form no reference cycle: once the manager has moved past a step and
+    the last view of it is dropped, it is freed at once, and on CUDA its events are back in their
+    backend's pool for the next steps (left to the collector, they would come back only when it ran)."""
+    import gc
+    import weakref
+    mgr = make(backend_name)
+    mgr.add("a", 40)
+    gc.collect()
+    gc.disable()
+    try:
+        step = mgr.prepare_batch({"a": 40})
+        step.finish()
+        mgr.settle(step)
+        ref, view = weakref.ref(step), step.on(1)
+        handles = [(part.backend, event.ptr) for part in step.parts for event in (part.ready, part.finished)
+                   if hasattr(event, "ptr")]
+        del step
+        for _ in range(2):          # the manager's latest and previous step move past it
+            s = mgr.prepare_batch((), ["a"])
+            s.finish()
+            mgr.settle(s)
+        del s
+        mgr.synchronize()           # and the ledger lets go of every completed step
+        assert ref() is not None, "a view keeps its step"
+        assert view.request_ids == ["a"] and view.rank == 1
+        del view
+        assert ref() is None, "the step outlived its last reference: something holds it in a cycle"
+        for be, ptr in handles:
+            assert ptr in be._events, "a freed step's event did not go back to its backend's pool"
+    finally:
+        gc.enable()
 
 
 def test_storage_per_device_holds_its_share_of_heads(backend_name):
