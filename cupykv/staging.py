@@ -36,6 +36,7 @@ there (e < live: copy_idx[e] == row, not a context) or held[e - live] == row. Th
 """
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Dict, List, Sequence
 
@@ -179,32 +180,32 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     held = NO_INDEX if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
                 cu_tokens, start_pos, rebuilt, held)
-    header = [0] * HEADER_WORDS
-    header[H_STEP] = step_id & 0x7FFFFFFF
-    header[H_NUM_RUNS] = len(run_start)
-    header[H_NUM_CELLS] = len(cells)
-    header[H_NUM_VALUES] = len(shipped)
-    header[H_NUM_SEQS] = len(copy_idx)
-    header[H_NUM_CONTEXTS] = begs.shape[1]
-    header[H_SCRATCH_WIDTH] = scratch.shape[2]
-    header[H_NUM_TOKENS] = int(cu_tokens[-1]) if len(cu_tokens) else 0
-    header[H_MODE] = mode
-    header[H_PAD_TO] = pad_to
-    header[H_NUM_REBUILT] = len(rebuilt)
-    header[H_NUM_HELD] = len(held)
-    pos = HEADER_WORDS
-    for off, a in zip(_SECTION_OFFSETS, sections):
-        header[off] = pos
-        pos += a.size
+    words = [step_id & 0x7FFFFFFF, len(run_start), len(cells), len(shipped), len(copy_idx), begs.shape[1],
+             scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
+    # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
+    # of the concatenation, whose cost grows with the number of arrays more than with their data.
+    pieces, pos = [], HEADER_WORDS
+    for a in sections:
+        words.append(pos)
+        if a.size:
+            pieces.append(a)
+            pos += a.size
     # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
     # list assigned to a slice is one, with a conversion per item) costs more than the data.
-    _HEADER.pack_into(buf, 0, *header)
-    np.concatenate(sections, out=buf[HEADER_WORDS:pos])
+    _HEADER.pack_into(buf, 0, *_HEADER_ORDER(words))
+    if pieces:
+        np.concatenate(pieces, out=buf[HEADER_WORDS:pos])
     return pos
 
 
-_SECTION_OFFSETS = (H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF,
-                    H_OFF_RUN_VALUE, H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
+# pack_snapshot gathers the header's words in this order (its counts, then the sections' offsets, in the
+# order the sections are laid out); _HEADER_ORDER puts them in H_* order.
+_GATHERED = (H_STEP, H_NUM_RUNS, H_NUM_CELLS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH, H_NUM_TOKENS,
+             H_MODE, H_PAD_TO, H_NUM_REBUILT, H_NUM_HELD,
+             H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF, H_OFF_RUN_VALUE,
+             H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
+assert sorted(_GATHERED) == list(range(HEADER_WORDS)), "every header word is gathered once"
+_HEADER_ORDER = operator.itemgetter(*[_GATHERED.index(word) for word in range(HEADER_WORDS)])
 _HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
 
 
