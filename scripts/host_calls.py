@@ -5,7 +5,8 @@ previous one's), next to the raw CUDA calls they are made of.
 
 Wraps the step plan's run (the copy, the kernels or the graph replay, the ready event), the backend's
 record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
-of prepare_batch itself, with launches and with graphs, and then the median of the bare calls for scale.
+of prepare_batch itself, with launches and with graphs, how many CUDA events a step had to create (its
+backend's pool was empty), and then the median of the bare calls for scale.
 """
 import sys
 import time
@@ -32,6 +33,13 @@ def timed(name, fn):
 def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
     mgr = prefilled_manager(batch, backend="cuda")
     be = mgr.backend
+    created = [0]
+    event_init = cuda_backend.CudaEvent.__init__
+
+    def counted_init(self, ptr=None, pool=None):
+        created[0] += ptr is None       # a new handle: the pool had none
+        event_init(self, ptr, pool)
+    cuda_backend.CudaEvent.__init__ = counted_init
     plan_run = cuda_backend.CudaStepPlan.run
     cuda_backend.CudaStepPlan.run = timed("plan.run (copy+kernels+ready)", plan_run)
     be.record = timed("record (finish)", be.record)
@@ -41,8 +49,11 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
         for graphs in (False, True):
             mgr.use_graphs = graphs
             per = defaultdict(list)
+            made = 0
             for i in range(steps):
                 spent.clear()
+                if i == skip:
+                    made = created[0]
                 prepare, settle, s = timed_decode_step(mgr, rids)
                 s.ready.synchronize()
                 if i >= skip:
@@ -53,8 +64,10 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
             print(f"batch {batch}, graphs={graphs}: medians per step over {steps - skip} decode steps")
             for k, v in per.items():
                 print(f"  {k:32s} {np.median(v) * 1e6:7.1f} us")
+            print(f"  events created (pool empty)      {(created[0] - made) / (steps - skip):7.2f} per step")
     finally:
         cuda_backend.CudaStepPlan.run = plan_run
+        cuda_backend.CudaEvent.__init__ = event_init
 
 
 def floor_calls():
