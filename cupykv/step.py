@@ -49,6 +49,10 @@ class DevicePart:
     def is_complete(self) -> bool:
         return self.finished is not None and self.finished.done()
 
+    def holds(self, step_id: int) -> bool:
+        """Whether this device's output buffers hold that step's outputs (it is the latest prepared)."""
+        return self.outputs.holder == step_id
+
 
 class DeviceStep:
     """One device's view of a step: that device's output buffers, its ready event and its consumer's
@@ -95,7 +99,7 @@ class DeviceStep:
     @property
     def is_current(self) -> bool:
         """True while this device's output buffers hold this step's outputs (until the next prepare)."""
-        return self.outputs.holder == self.step.id
+        return self.part.holds(self.step.id)
 
     def finish(self, stream=None) -> None:
         """Record that this device's consumer is done reading: an event on `stream` (a stream of this
@@ -186,7 +190,7 @@ class Step:
     tables = property(lambda self: self.parts[0].outputs.tables, doc=DeviceStep.tables.__doc__)
     write_pages = property(lambda self: self.parts[0].outputs.write_pages, doc=DeviceStep.write_pages.__doc__)
     write_offsets = property(lambda self: self.parts[0].outputs.write_offsets, doc=DeviceStep.write_offsets.__doc__)
-    is_current = property(lambda self: self.parts[0].outputs.holder == self.id, doc=DeviceStep.is_current.__doc__)
+    is_current = property(lambda self: self.parts[0].holds(self.id), doc=DeviceStep.is_current.__doc__)
 
     @property
     def finished(self):
