@@ -105,14 +105,15 @@ class DeviceStep:
         """Record that this device's consumer is done reading: an event on `stream` (a stream of this
         device's backend; default its manager stream, right only for a consumer that waited on `ready`
         on the host or reads on the manager stream)."""
-        if self.finished is not None:
-            raise StepOrderError(f"step {self.step.id} was already finished on device {self.rank}")
-        be = self.backend
+        part = self.part
+        if part.finished is not None:
+            raise StepOrderError(f"step {self.step.id} was already finished on device {part.rank}")
+        be = part.backend
         if stream is not None and not be.is_stream(stream):
             raise InvalidRequestError(f"step {self.step.id}: finish(stream={stream!r}): not a stream of the {be.name} "
-                                      f"backend's device {be.device_id} (device rank {self.rank}; for a torch "
+                                      f"backend's device {be.device_id} (device rank {part.rank}; for a torch "
                                       "stream: cupykv.interop.finish_on_torch)")
-        self.part.finished = be.record(stream if stream is not None else be.stream)
+        part.finished = be.record(stream if stream is not None else be.stream)
 
     def check_open(self, what: str) -> None:
         """Raise StepOrderError unless work for this step on this device may still be enqueued (KV writes and
