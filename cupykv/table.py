@@ -46,9 +46,15 @@ class PageTable:
         start = self.row_start(p, row)
         seg = self.flat[start:start + self.max_blocks]
         held = (seg != BAD).nonzero()[0]
+        n = len(held)
+        if n and held[-1] - held[0] == n - 1:      # one run (a row that keeps every block): slices, not gathers
+            lo = start + int(held[0])
+            vals = self.flat[lo:lo + n].copy()
+            self.write_run(lo, lo + n, BAD)
+            return self._log[-1], vals
         vals = seg[held]
         cells = held + start
-        if len(cells):
+        if n:
             self.write(cells, BAD)
         return cells, vals
 
@@ -56,6 +62,11 @@ class PageTable:
         """Write cells by flat index and log them for the next step's snapshot."""
         self.flat[cells] = values
         self._log.append(cells)
+
+    def write_run(self, lo: int, hi: int, value) -> None:
+        """write(np.arange(lo, hi), value) with a slice: the flat cells [lo, hi), logged."""
+        self.flat[lo:hi] = value
+        self._log.append(np.arange(lo, hi, dtype=np.int64))
 
     def take(self, cells: np.ndarray):
         """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch

@@ -290,6 +290,44 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
         assert new.tobytes() == old.tobytes()
 
 
+def test_take_row_by_slices_matches_the_gathers():
+    """PageTable.take_row clears a row whose held cells form one run with slices instead of gathers: the
+    cells and slots it returns, the table after it and its dirty log are what gathering the row's held
+    cells gives, for rows of one run, of several runs, of one cell and of none."""
+    from cupykv.backends import make_backends
+    from cupykv.table import PageTable
+    rng = np.random.default_rng(3)
+    be = make_backends("host", None)[0]
+    for trial in range(300):
+        P, rows, B = 2, 3, int(rng.integers(1, 40))
+        table = PageTable(be, P, rows, B)
+        p, row = int(rng.integers(P)), int(rng.integers(rows))
+        seg = np.full(B, BAD, np.int32)
+        kind = trial % 4
+        if kind == 0:                               # one run
+            lo = int(rng.integers(0, B))
+            hi = int(rng.integers(lo + 1, B + 1))
+            seg[lo:hi] = rng.permutation(1000)[:hi - lo]
+        elif kind == 1:                             # held cells with holes (a window, scratch blocks)
+            held = rng.random(B) < 0.5
+            seg[held] = rng.permutation(1000)[:int(held.sum())]
+        elif kind == 2:                             # one cell
+            seg[int(rng.integers(B))] = int(rng.integers(1000))
+        table.array[p, row] = seg
+        table.array[1 - p, row] = 7                 # the other group's row and the other rows stay
+        before = table.array.copy()
+        want_cells = np.flatnonzero(seg != BAD) + (p * rows + row) * B
+        cells, vals = table.take_row(p, row)
+        assert cells.dtype == np.int64 and vals.dtype == np.int32
+        assert np.array_equal(cells, want_cells) and np.array_equal(vals, seg[seg != BAD]), trial
+        after = before.copy()
+        after[p, row] = BAD
+        assert np.array_equal(table.array, after), trial
+        assert np.array_equal(table.logged(), want_cells), trial
+        vals[:] = 5                                 # the slots are the caller's copy
+        assert np.array_equal(table.array, after), trial
+
+
 # -- steps with no entries, and a step whose launch fails ------------------------------------------------
 
 @pytest.mark.parametrize("pad_to", [None, 3])
