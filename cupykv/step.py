@@ -47,6 +47,7 @@ class DevicePart:
         self.finished = None             # event: this device's consumer's last read
 
     def is_complete(self) -> bool:
+        """True once this device's finish event has completed."""
         return self.finished is not None and self.finished.done()
 
     def holds(self, step_id: int) -> bool:
