@@ -1,9 +1,11 @@
 """Step: the record of one prepared batch: what it schedules, where its outputs are, and its events.
 
 A Step needs no manager: it carries the layout, and per device (KVCacheManager(devices=[...])) a
-DeviceStep with that device's backend, output buffers (StepOutputs, fixed addresses shared by every step
-of one manager), ready event and consumer finish. Consumers (interop, storage, attention kernels) take
-everything they need from it: a Step itself reads as its first device's view, step.on(rank) is rank's.
+DevicePart with that device's backend, output buffers (StepOutputs, fixed addresses shared by every step
+of one manager), ready event and consumer finish, which step.on(rank) shows as a DeviceStep view.
+Consumers (interop, storage, attention kernels) take everything they need from it: a Step itself reads
+as its first device's view. Nothing a step holds refers back to it, so a step is freed by reference
+counting once the manager and its users let go of it (no cycle for the garbage collector to find).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ class DeviceStep:
     """One device's view of a step: that device's output buffers, its ready event and its consumer's
     finish (a DevicePart of the step). Everything else (the batch, the layout, the id) is the step's:
     attributes it does not hold are read from the step, so a DeviceStep goes wherever a Step does (interop,
-    KVStorage.write). step.on(rank) makes a new view each call; views of one device share its part.
+    KVStorage.write). step.on(rank) makes a new view each call; views of one device share its part and
+    are equal.
 
     Consumers on this device wait on `ready` before reading its tables and call finish(stream) after
     their last read; the step counts as complete once every device's finish has completed.
@@ -73,6 +76,13 @@ class DeviceStep:
 
     def __getattr__(self, name):
         return getattr(self.step, name)
+
+    def __eq__(self, other) -> bool:
+        """Views of the same step on the same device are equal."""
+        return isinstance(other, DeviceStep) and other.step is self.step and other.part is self.part
+
+    def __hash__(self) -> int:
+        return hash((id(self.step), id(self.part)))
 
     rank = property(lambda self: self.part.rank, doc="The device's position in KVCacheManager(devices=...).")
     backend = property(lambda self: self.part.backend, doc="The backend whose streams and events order this device's work.")

@@ -6,7 +6,8 @@ previous one's), next to the raw CUDA calls they are made of.
 Wraps the step plan's run (the copy, the kernels or the graph replay, the ready event), the backend's
 record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
 of prepare_batch itself, with launches and with graphs, how many CUDA events a step had to create (its
-backend's pool was empty), and then the median of the bare calls for scale.
+backend's pool was empty), and then the median of the bare calls for scale, on an idle stream and while the
+stream runs a kernel.
 """
 import sys
 import time
@@ -102,7 +103,16 @@ def bare_calls() -> None:
     def scope():
         with cuda_backend.DeviceScope(0):
             pass
-    print("bare calls (medians of 300):")
+    # A kernel that keeps the stream busy for about 100 us, so that a call can be timed while the stream has
+    # work in flight, as a step's calls do (the step's own launch, the consumer's kernels).
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }''', "spin")
+    cycles = np.int64(200_000)
+    spin((1,), (1,), (cycles,), stream=st)
+    st.synchronize()
+    wait_for = cupy.cuda.Event(block=True, disable_timing=True)
+    wait_for.record(cs)
+    print("bare calls (medians of 300), on an idle stream / while the stream runs a 100 us kernel:")
     for label, fn in (("RawKernel call, 1 arg", lambda: k((1,), (32,), (dev,), stream=st)),
                       ("PackedLaunch, 1 arg", lambda: packed(1, st.ptr)),
                       ("memcpyAsync 4 KB pinned", lambda: rt.memcpyAsync(dev.data.ptr, host.ptr, 4096,
@@ -111,14 +121,22 @@ def bare_calls() -> None:
                       ("eventRecord (raw)", lambda: rt.eventRecord(ev.ptr, st.ptr)),
                       ("graph.launch (cupy)", lambda: graph.launch(st)),
                       ("graphLaunch (raw)", lambda: rt.graphLaunch(graph.graphExec, st.ptr)),
+                      ("streamWaitEvent (raw)", lambda: rt.streamWaitEvent(st.ptr, wait_for.ptr)),
                       ("DeviceScope enter/exit", scope)):
-        ts = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        st.synchronize()
-        print(f"  {label:32s} {np.median(ts) * 1e6:7.1f} us")
+        medians = []
+        for busy in (False, True):
+            ts = []
+            for _ in range(300):
+                if busy:
+                    spin((1,), (1,), (cycles,), stream=st)
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+                if busy:
+                    st.synchronize()
+            st.synchronize()
+            medians.append(np.median(ts) * 1e6)
+        print(f"  {label:32s} {medians[0]:7.1f} / {medians[1]:7.1f} us")
 
 
 if __name__ == "__main__":

@@ -212,7 +212,8 @@ def test_finish_per_device(backend_name):
     assert all(v.finished is not None for v in s.devices)
     with pytest.raises(IndexError, match="2 device"):
         s.on(2)
-    assert s.on(np.int64(1)).part is s.parts[1] and s.on(1).rank == 1
+    assert s.on(np.int64(1)) == s.devices[1] != s.devices[0] and s.on(1) in s.devices and s.on(1).rank == 1
+    assert len({s.on(1), s.on(1), s.on(0)}) == 2 and s.on(1) != step.on(1)
 
 
 def test_a_step_nobody_holds_is_freed_without_the_garbage_collector(backend_name):
