@@ -47,7 +47,7 @@ class PageTable:
         seg = self.flat[start:start + self.max_blocks]
         held = (seg != BAD).nonzero()[0]
         n = len(held)
-        if n and held[-1] - held[0] == n - 1:      # one run (a row that keeps every block): slices, not gathers
+        if n and held[-1] - held[0] == n - 1:      # one run (most rows: every block, or a window): slices, not gathers
             lo = start + int(held[0])
             vals = self.flat[lo:lo + n].copy()
             self.write_run(lo, lo + n, BAD)
