@@ -50,8 +50,7 @@ class PageTable:
         if n and held[-1] - held[0] == n - 1:      # one run (most rows: every block, or a window): slices, not gathers
             lo = start + int(held[0])
             vals = self.flat[lo:lo + n].copy()
-            self.write_run(lo, lo + n, BAD)
-            return self._log[-1], vals
+            return self.write_run(lo, lo + n, BAD), vals
         vals = seg[held]
         cells = held + start
         if n:
@@ -63,10 +62,12 @@ class PageTable:
         self.flat[cells] = values
         self._log.append(cells)
 
-    def write_run(self, lo: int, hi: int, value) -> None:
-        """write(np.arange(lo, hi), value) with a slice: the flat cells [lo, hi), logged."""
+    def write_run(self, lo: int, hi: int, value) -> np.ndarray:
+        """write(np.arange(lo, hi), value) with a slice: the flat cells [lo, hi), logged; returns those cells."""
         self.flat[lo:hi] = value
-        self._log.append(np.arange(lo, hi, dtype=np.int64))
+        cells = np.arange(lo, hi, dtype=np.int64)
+        self._log.append(cells)
+        return cells
 
     def take(self, cells: np.ndarray):
         """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch
