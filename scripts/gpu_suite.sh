@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes]
+# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [footprint]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -94,12 +94,18 @@ for part in $parts; do
           gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
           gpt-oss-120b 131072 256 6
       cat "$OUT/dram_ab.log" ;;
-    profile) run host_calls timeout 120 python3 scripts/host_calls.py 256 1 ;;
+    profile) run host_calls timeout 240 python3 scripts/host_calls.py 256 1 ${PROFILE_ARGS:-} ;;   # PROFILE_ARGS: --no-wait
     census)   # what a decode step executes (Python calls, C calls, bytecodes) and its host time, b1 and b256,
               # then the floor of that step's host work in CPython (scripts/host_floor.py) beside the manager's
       for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
       timeout 120 python3 scripts/host_floor.py 1 256 >>"$OUT/census.log" 2>&1
       cat "$OUT/census.log" ;;
+    footprint)   # a settle's host time alone and right after the CUDA calls of a step (scripts/driver_footprint.py)
+      run driver_footprint timeout 180 python3 scripts/driver_footprint.py; cat "$OUT/driver_footprint.log"
+      for cond in plain import context cuda-manager pinned plain; do   # the process alone, then with CUDA in it
+        for b in 1 256; do timeout 120 python3 scripts/process_footprint.py $cond $b >>"$OUT/process_footprint.log" 2>&1; done
+      done
+      cat "$OUT/process_footprint.log" ;;
     probes)   # what a kernel pays to read a snapshot (pinned, device memory, parameters), and what a graph
               # replay would pay to carry it in its parameters (cuGraphExecKernelNodeSetParams)
       run snapshot_probe timeout 120 python3 scripts/snapshot_probe.py

@@ -1,13 +1,14 @@
 """Host time of the backend calls inside prepare_batch on the CUDA backend (decode steps whose batch is the
 previous one's), next to the raw CUDA calls they are made of.
 
-    python scripts/host_calls.py [batch ...]     (default 256 1)
+    python scripts/host_calls.py [batch ...] [--parts] [--no-wait]     (default 256 1)
 
 Wraps the step plan's run (the copy, the kernels or the graph replay, the ready event), the backend's
 record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
 of prepare_batch itself, with launches and with graphs, how many CUDA events a step had to create (its
 backend's pool was empty), and then the median of the bare calls for scale, on an idle stream and while the
-stream runs a kernel.
+stream runs a kernel. --parts: timers around the manager's own parts of a step too. --no-wait: each batch size a second time without waiting for each step's ready event
+(as host_floor.py's steps run).
 """
 import sys
 import time
@@ -16,7 +17,7 @@ from collections import defaultdict
 import cupy
 import numpy as np
 
-from profile_manager import prefilled_manager, timed_decode_step
+from profile_manager import prefilled_manager, time_parts, timed_decode_step
 from cupykv.backends import cuda as cuda_backend
 
 spent = defaultdict(float)
@@ -31,7 +32,10 @@ def timed(name, fn):
     return call
 
 
-def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
+def measure(batch: int, steps: int = 250, skip: int = 50, sync: bool = True) -> None:
+    """sync: wait for each step's ready event before the next step (the host thread sleeps in the wait, as
+    an engine's does when it waits for the GPU); False: steps follow one another with no wait, as in
+    host_floor.py (the GPU keeps up: a step's device work is a few microseconds)."""
     mgr = prefilled_manager(batch, backend="cuda")
     be = mgr.backend
     created = [0]
@@ -45,6 +49,7 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
     cuda_backend.CudaStepPlan.run = timed("plan.run (copy+kernels+ready)", plan_run)
     be.record = timed("record (ready + finish)", be.record)      # the ready one inside plan.run too
     be.wait = timed("wait", be.wait)
+    restore = time_parts(timed) if "--parts" in sys.argv else []
     rids = list(range(batch))
     try:
         for graphs in (False, True):
@@ -56,19 +61,23 @@ def measure(batch: int, steps: int = 250, skip: int = 50) -> None:
                 if i == skip:
                     made = created[0]
                 prepare, settle, s = timed_decode_step(mgr, rids)
-                s.ready.synchronize()
+                if sync:
+                    s.ready.synchronize()
                 if i >= skip:
                     per["prepare_batch (total)"].append(prepare)
                     per["settle"].append(settle)
                     for k, v in spent.items():
                         per[k].append(v)
-            print(f"batch {batch}, graphs={graphs}: medians per step over {steps - skip} decode steps")
+            print(f"batch {batch}, graphs={graphs}, {'a wait for each step' if sync else 'no wait between steps'}: "
+                  f"medians per step over {steps - skip} decode steps")
             for k, v in per.items():
                 print(f"  {k:32s} {np.median(v) * 1e6:7.1f} us")
             print(f"  events created (pool empty)      {(created[0] - made) / (steps - skip):7.2f} per step")
     finally:
         cuda_backend.CudaStepPlan.run = plan_run
         cuda_backend.CudaEvent.__init__ = event_init
+        for owner, name, fn in restore:
+            setattr(owner, name, fn)
 
 
 def floor_calls():
@@ -140,6 +149,8 @@ def bare_calls() -> None:
 
 
 if __name__ == "__main__":
-    for b in [int(a) for a in sys.argv[1:]] or [256, 1]:
+    for b in [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [256, 1]:
         measure(b)
+        if "--no-wait" in sys.argv:
+            measure(b, sync=False)
     bare_calls()

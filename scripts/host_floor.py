@@ -139,9 +139,9 @@ class Floor:
             self.top += len(freed)
 
 
-def timed_floor_step(floor: Floor) -> tuple:
+def timed_floor_step(floor: Floor, wait: bool = False) -> tuple:
     """One floor step: (prepare seconds, settle seconds), as profile_manager.timed_decode_step times the
-    manager's."""
+    manager's. wait: then wait for the stream (CUDA), as host_calls.py waits for each step's ready event."""
     t0 = time.perf_counter()
     rows, _ = floor.prepare()
     t1 = time.perf_counter()
@@ -149,6 +149,8 @@ def timed_floor_step(floor: Floor) -> tuple:
     t2 = time.perf_counter()
     floor.settle(rows)
     t3 = time.perf_counter()
+    if wait and floor.cuda is not None:
+        floor.cuda[2].synchronize()
     return t1 - t0, t3 - t2
 
 
@@ -175,6 +177,10 @@ def main():
         print(f"batch {batch}: floor prepare {fp:.1f} us ({'with' if cuda else 'without'} its CUDA calls), "
               f"settle {fs:.1f} us; the manager (host backend, no device work) prepare {mp:.1f} us, "
               f"settle {ms:.1f} us")
+        if cuda:        # as host_calls.py's steps run by default: a wait for the GPU after each step
+            wp, ws = medians_us(lambda: timed_floor_step(floor, wait=True))
+            print(f"batch {batch}: floor prepare {wp:.1f} us, settle {ws:.1f} us with a wait for the stream "
+                  "after each step")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The manager's own host cost per decode step: the host backend with its queued work replaced by no-ops.
 
-    python scripts/profile_manager.py [--batch N] [--lines] [--census]     (batch 256 by default)
+    python scripts/profile_manager.py [--batch N] [--lines] [--census] [--parts]     (batch 256 by default)
 
---lines: line_profiler over the step's main functions (needs line_profiler). --census: what one step
+--lines: line_profiler over the step's main functions (needs line_profiler). --parts: perf_counter timers
+around the step's parts (time_parts; scripts/host_calls.py --parts times the same on CUDA). --census: what one step
 (prepare_batch, finish, settle) executes: Python function calls, calls of C functions (builtins and
 numpy's methods; numpy's operators and indexing are not calls and are not counted), and bytecodes.
 """
@@ -88,6 +89,22 @@ def timed_decode_step(mgr, rids):
     return t1 - t0, t3 - t2, s
 
 
+def time_parts(timed) -> list:
+    """Timers around the manager's own parts of a step: each replaced by timed(label, original) (a timer adds a
+    few tenths of a microsecond); returns (owner, name, original) to put back."""
+    from cupykv import ledger, manager, pipeline, step
+    parts = [(manager.KVCacheManager, "_plan"), (manager.KVCacheManager, "_commit"),
+             (ledger.StepLedger, "poll"), (pipeline.StepPipeline, "acquire"), (pipeline.StepPipeline, "launch"),
+             (pipeline, "pack_snapshot"), (pipeline.StepPipeline, "_entries"), (ledger.StepLedger, "record"),
+             (step.Step, "finish"), (manager.KVCacheManager, "_release_stale")]
+    restore = []
+    for owner, name in parts:
+        fn = getattr(owner, name)
+        restore.append((owner, name, fn))
+        setattr(owner, name, timed(f"{getattr(owner, '__name__', '').split('.')[-1]}.{name}", fn))
+    return restore
+
+
 def decode_step(mgr, rids) -> None:
     s = mgr.prepare_batch((), rids)
     s.finish()
@@ -149,6 +166,29 @@ def main():
         ts.append(settle)
     print(f"batch {len(rids)} decode: prepare_batch median {np.median(tp) * 1e6:.0f} us, "
           f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
+    if "--parts" in sys.argv:
+        spent, per = collections.defaultdict(float), collections.defaultdict(list)
+
+        def timed(name, fn):
+            def call(*a, **k):
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                spent[name] += time.perf_counter() - t0
+                return out
+            return call
+        restore = time_parts(timed)
+        for _ in range(300):
+            spent.clear()
+            prepare, settle, _ = timed_decode_step(mgr, rids)
+            per["prepare_batch (total)"].append(prepare)
+            per["settle"].append(settle)
+            for k, v in spent.items():
+                per[k].append(v)
+        for owner, name, fn in restore:
+            setattr(owner, name, fn)
+        print(f"batch {len(rids)} decode, host backend, the manager's parts timed: medians per step")
+        for k, v in per.items():
+            print(f"  {k:32s} {np.median(v) * 1e6:7.1f} us")
     if "--census" in sys.argv:
         census(lambda: decode_step(mgr, rids))
     if "--lines" in sys.argv:
