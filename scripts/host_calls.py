@@ -17,19 +17,11 @@ from collections import defaultdict
 import cupy
 import numpy as np
 
-from profile_manager import prefilled_manager, time_parts, timed_decode_step
+from profile_manager import prefilled_manager, time_parts, timed_decode_step, timer
 from cupykv.backends import cuda as cuda_backend
 
 spent = defaultdict(float)
-
-
-def timed(name, fn):
-    def call(*a, **k):
-        t0 = time.perf_counter()
-        out = fn(*a, **k)
-        spent[name] += time.perf_counter() - t0
-        return out
-    return call
+timed = timer(spent)
 
 
 def measure(batch: int, steps: int = 250, skip: int = 50, sync: bool = True) -> None:

@@ -89,6 +89,18 @@ def timed_decode_step(mgr, rids):
     return t1 - t0, t3 - t2, s
 
 
+def timer(spent: dict):
+    """timed(name, fn): fn wrapped to add the perf_counter seconds of each call to spent[name]."""
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t0
+            return out
+        return call
+    return timed
+
+
 def time_parts(timed) -> list:
     """Timers around the manager's own parts of a step: each replaced by timed(label, original) (a timer adds a
     few tenths of a microsecond); returns (owner, name, original) to put back."""
@@ -168,15 +180,7 @@ def main():
           f"settle median {np.median(ts) * 1e6:.0f} us (no device work)")
     if "--parts" in sys.argv:
         spent, per = collections.defaultdict(float), collections.defaultdict(list)
-
-        def timed(name, fn):
-            def call(*a, **k):
-                t0 = time.perf_counter()
-                out = fn(*a, **k)
-                spent[name] += time.perf_counter() - t0
-                return out
-            return call
-        restore = time_parts(timed)
+        restore = time_parts(timer(spent))
         for _ in range(300):
             spent.clear()
             prepare, settle, _ = timed_decode_step(mgr, rids)
