@@ -73,11 +73,15 @@ class StepLedger:
             k += 1
         return k
 
-    def available(self, p: int) -> int:
-        """Slots of group p that allocation could use now: free, plus quarantine already lifted."""
+    def lifted(self, p: int) -> int:
+        """Quarantined slots of group p that the next poll() lifts: their steps have completed."""
         k = self.completed_count()
         through = self.in_flight[k - 1].id if k else self.finished_through
-        return self.pools[p].num_available + self.pools[p].quarantined_through(through)
+        return self.pools[p].quarantined_through(through)
+
+    def available(self, p: int) -> int:
+        """Slots of group p that allocation could use now: free, plus quarantine already lifted."""
+        return self.pools[p].num_available + self.lifted(p)
 
     def poll(self) -> None:
         """Advance the watermark over completed steps and lift their quarantine."""

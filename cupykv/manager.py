@@ -315,12 +315,12 @@ class KVCacheManager:
         ctx_items = context_items(contexts)
         gen_ids = request_ids(generation)
         k = as_count(num_gen_tokens, "num_gen_tokens", minimum=1, maximum=self.spec.max_seq_len)
-        num_seqs = len(ctx_items) + len(gen_ids)
-        pad = 0 if pad_to is None else as_count(pad_to, "pad_to", minimum=num_seqs, maximum=self.spec.max_batch)
+        pad = None if pad_to is None else as_count(pad_to, "pad_to")   # its range once the entries are known
         return self._commit(self._plan(ctx_items, gen_ids, k, pad))
 
-    def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: int) -> _Plan:
-        """Validate a step and work out what it needs; changes no state but the validated-list cache."""
+    def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: Optional[int]) -> _Plan:
+        """Validate a step and work out what it needs; changes no state but the validated-list cache.
+        pad_to: None (no padding) or a count, checked against the batch after its ids are."""
         spec, lay, reqs, ledger = self.spec, self.layout, self.requests, self.ledger
         if ledger.latest is not None and not ledger.latest.is_finished():
             latest = ledger.latest
@@ -356,6 +356,11 @@ class KVCacheManager:
             ctx_tokens.append(n)
         gen = reqs.generation_batch(gen_ids, ctx_rows)
         gen_rows = gen.rows if gen is not None else NO_INDEX
+        if pad_to is None:
+            pad_to = 0
+        elif not len(ctx_rows) + len(gen_rows) <= pad_to <= spec.max_batch:
+            raise InvalidRequestError(f"pad_to={pad_to} must be in [{len(ctx_rows) + len(gen_rows)}, "
+                                      f"{spec.max_batch}] (the step's entries, max_batch)")
         cap = reqs.cap[gen_rows]
         end = cap + k
         if len(end) and end.max() > spec.max_seq_len:
@@ -381,7 +386,8 @@ class KVCacheManager:
                 if need[p] > ledger.available(p):
                     raise OutOfSlotsError(
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                        f"{ledger.available(p)} free, {pool.num_quarantined} quarantined by unfinished steps")
+                        f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined by "
+                        "unfinished steps")
         if len(ledger.in_flight) >= self.max_steps_in_flight:
             # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
             # when waited on): wait for them as for slots, and fail only if they do not complete in time

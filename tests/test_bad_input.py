@@ -383,6 +383,41 @@ def test_steps_past_max_in_flight_fail_when_the_oldest_cannot_finish():
     run_step(mgr, generation=["A"])
 
 
+def test_out_of_slots_counts_lifted_quarantine_once():
+    """Slots whose quarantine a completed step has lifted (not yet polled) count as free in the error, not
+    also as quarantined: free + quarantined never exceeds the pool."""
+    spec = CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=4, max_seq_len=64, max_batch=4,
+                     slots_per_group=10)
+    mgr = KVCacheManager(spec, backend="host")
+    mgr.add("a", 16)
+    mgr.add("b", 8)
+    s = mgr.prepare_batch({"a": 16, "b": 8})
+    s.finish()
+    mgr.settle(s)
+    mgr.free("a")                   # its 4 slots quarantined behind step 0
+    mgr.backend.synchronize()       # step 0 has completed; nothing has polled the ledger since
+    mgr.add("c", 40)                # 10 blocks: the 8 slots b does not hold are not enough
+    expect_fail(mgr, OutOfSlotsError, ["needs 10", "8 free, 0 quarantined"], lambda: mgr.prepare_batch({"c": 40}))
+    mgr.free("b")
+    s = mgr.prepare_batch({"c": 40})
+    assert len(s.rows) == 1
+
+
+def test_a_duplicate_id_is_reported_as_such_with_pad_to():
+    """pad_to's lower bound is the step's entries once its ids are checked: a repeated id is a
+    DuplicateRequestError, not a pad_to error; pad_to out of range still names pad_to."""
+    mgr = make_mgr()
+    prefilled(mgr, "A", 16)
+    prefilled(mgr, "B", 16)
+    expect_fail(mgr, DuplicateRequestError, ["'A' appears twice"],
+                lambda: mgr.prepare_batch(generation=["A", "A"], pad_to=1))
+    expect_fail(mgr, InvalidRequestError, ["pad_to=1", "[2, "], lambda: mgr.prepare_batch(generation=["A", "B"], pad_to=1))
+    expect_fail(mgr, InvalidRequestError, ["pad_to=99", f"{mgr.spec.max_batch}]"],
+                lambda: mgr.prepare_batch(generation=["A"], pad_to=np.int16(99)))
+    expect_fail(mgr, InvalidRequestError, ["pad_to=True"], lambda: mgr.prepare_batch(generation=["A"], pad_to=True))
+    assert mgr.prepare_batch(generation=["A", "B"], pad_to=np.uint8(2)).pad_to == 2
+
+
 # --------------------------------------------------------------------------------------------------
 # out of slots
 # --------------------------------------------------------------------------------------------------
