@@ -264,12 +264,12 @@ class KVCacheManager:
         loading = self.requests.loading.get(req.row)
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
+        if self.cache is not None:      # every cached block it holds keeps its hash: its last window
+            self.cache.end(req.row, self.page_table.array)
         self._release_row(req.row, tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
-        if self.cache is not None:
-            self.cache.end(req.row)       # every cached block it held keeps its hash: its last window
         if self.host_tier is not None:
             self.host_tier.forget(rid)
         self.requests.remove(rid)

@@ -14,6 +14,11 @@ Contract (docs/design.md, "Prefix caching"):
   context chunk's end, each caller checkpoint) plus one block before it, or it came from a hit (another
   request's boundary kept it). At free, every block keeps its hash: the request's last window.
   retention="all" keeps every block hashed (the hit-rate ceiling, the most memory).
+- Retention follows the content, not the releasing request: a cached block that lies in a retained range
+  of any request (met when that request hits it, publishes it or finds it published by another slot, gets
+  the boundary, or is freed with it in its window) is marked (`kept`), and keeps its hash whichever holder
+  releases it last; the mark ends with the cache entry. (Two requests sharing a prefix, prefilled
+  together: the blocks carry the first one's slots, and the second one's prompt-end window keeps them.)
 
 Slot bookkeeping (reference counts, evictable, quarantine) is the pools' (allocator.CachingSlotPool);
 this module only names slots: `pool.hashed[slot]` is set while a hash maps to the slot.
@@ -69,6 +74,8 @@ class PrefixCache:
         self.by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
         self.hash_of: List[Dict[int, bytes]] = [{} for _ in self.groups]
         self.seqs: Dict[int, CachedSeq] = {}
+        self.kept: List[set] = [set() for _ in self.groups]     # per group: hashes a retained range marked
+        self._windowed = [g for g in self.groups if not g.keeps_every_block]
         # per table row: False once a settle advanced the request without reporting its tokens (its later
         # blocks can never be published)
         self.complete = np.ones(layout.spec.max_batch, bool)
@@ -144,6 +151,7 @@ class PrefixCache:
             if h is None:
                 continue
             del self.by_hash[p][h]
+            self.kept[p].discard(h)
             hs = self.host.cache_slot(p)
             if hs is None and self.host_hash_of[p]:            # make way: the least recently cached goes
                 hs, old = self.host_hash_of[p].popitem(last=False)
@@ -209,9 +217,31 @@ class PrefixCache:
         seq.margin = [None] * len(self.groups)
         self.seqs[row] = seq
         self.complete[row] = True
+        self._retain(seq, [0] * len(self.groups), seq.hit_blocks)
 
-    def end(self, row: int) -> None:
-        del self.seqs[row]
+    def end(self, row: int, table: np.ndarray) -> None:
+        """The request in `row` is freed; table: int32 [P, rows, B] before its row is released. The cached
+        blocks of its last window (what it holds in each sliding-window group) are marked kept."""
+        seq = self.seqs.pop(row)
+        if self.retention == "all":
+            return
+        for g in self._windowed:
+            by_hash, kept = self.by_hash[g.index], self.kept[g.index]
+            for b in np.flatnonzero(table[g.index, row, :len(seq.hashes)] != BAD).tolist():
+                if seq.hashes[b] in by_hash:
+                    kept.add(seq.hashes[b])
+
+    def _retain(self, seq: CachedSeq, lo: Sequence[int], hi: int, ranges=None) -> None:
+        """Mark kept the cached blocks of [lo[p], hi) of the request that lie in its retained ranges (or in
+        `ranges`, per group), in every sliding-window group."""
+        if self.retention == "all":
+            return
+        for g in self._windowed:
+            by_hash, kept, start = self.by_hash[g.index], self.kept[g.index], lo[g.index]
+            for a, b in (self._ranges(seq, g) if ranges is None else ranges[g.index]):
+                for blk in range(max(a, start), min(b, hi, len(seq.hashes))):
+                    if seq.hashes[blk] in by_hash:
+                        kept.add(seq.hashes[blk])
 
     def _extend(self, seq: CachedSeq, tokens: List[int]) -> None:
         """Accepted generation tokens of a request whose tokens are all known, in order: the blocks they
@@ -228,6 +258,7 @@ class PrefixCache:
         full = min(history // self.tpb, len(seq.hashes))
         if full <= min(seq.published):
             return
+        before = list(seq.published)
         for p, (table, pool, host) in enumerate(zip(self.by_hash, self.pools, self.host_by_hash)):
             for b in range(seq.published[p], full):
                 slot = int(cells[p][b])
@@ -243,6 +274,8 @@ class PrefixCache:
                         del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                         self.host.release_cache_slot(p, hs)
             seq.published[p] = full
+        if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches the new blocks (decode: none)
+            self._retain(seq, before, full)
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
                hist: np.ndarray, acc: np.ndarray, reported: dict, table: np.ndarray) -> None:
@@ -273,9 +306,11 @@ class PrefixCache:
         seq = self.seqs.get(row)
         if self.retention == "all" or seq is None or not blocks:
             return []
-        drop = [s for b, s in zip(blocks[:-1], slots[:-1]) if s != BAD and not self._keeps(seq, g, b)]
+        kept, names = self.kept[g.index], self.hash_of[g.index]
+        drop = [s for b, s in zip(blocks[:-1], slots[:-1])
+                if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
         old = seq.margin[g.index]
-        if old is not None and not self._keeps(seq, g, old[0]):
+        if old is not None and not self._keeps(seq, g, old[0]) and names.get(old[1]) not in kept:
             b, slot = old                     # still the same block's slot (not evicted and reused since)?
             if (b < len(seq.hashes) and self.hash_of[g.index].get(slot) == seq.hashes[b]
                     and self.pools[g.index].refs[slot] == 0):
@@ -286,17 +321,24 @@ class PrefixCache:
 
     def _keeps(self, seq: CachedSeq, g: LayerGroup, block: int) -> bool:
         """Does this block of the request keep its hash when released (a hit's block: another request's
-        boundaries kept it; or inside a retained range)?"""
+        boundaries kept it; or inside a retained range)? (A block marked kept by any request keeps it too:
+        leaving checks.)"""
+        return block < seq.hit_blocks or any(lo <= block < hi for lo, hi in self._ranges(seq, g))
+
+    def _ranges(self, seq: CachedSeq, g: LayerGroup) -> List[Tuple[int, int]]:
+        """The request's retained block ranges in group g (cached until its boundaries change)."""
         ranges = seq.ranges.get(g.index)
         if ranges is None:
             ranges = seq.ranges[g.index] = self._retained(g, seq.boundaries)
-        return block < seq.hit_blocks or any(lo <= block < hi for lo, hi in ranges)
+        return ranges
 
     def add_boundary(self, row: int, pos: int) -> None:
-        """A position whose window stays cached (a context chunk's end)."""
+        """A position whose window stays cached (a context chunk's end); its published blocks are kept."""
         seq = self.seqs[row]
         seq.boundaries.append(pos)
         seq.ranges.clear()
+        self._retain(seq, [0] * len(self.groups), min(seq.published),
+                     {g.index: self._retained(g, [pos]) for g in self._windowed})
 
     def _retained(self, g: LayerGroup, boundaries: Sequence[int]) -> List[Tuple[int, int]]:
         """Block ranges a hit at each boundary needs (its window and sinks are the group's rules), plus
@@ -340,6 +382,7 @@ class PrefixCache:
             h = self.hash_of[p].pop(s, None)
             if h is not None:
                 del self.by_hash[p][h]
+                self.kept[p].discard(h)
                 self.events.append((REMOVED, p, h))
 
     # -- introspection ---------------------------------------------------------------------------
@@ -357,5 +400,6 @@ class PrefixCache:
         seqs = tuple((row, s.salt, tuple(s.tail), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
                       bool(self.complete[row]), tuple(s.published), tuple(s.margin)) for row, s in sorted(self.seqs.items()))
         return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
+                tuple(tuple(sorted(k)) for k in self.kept),
                 tuple(tuple(t.items()) for t in self.host_hash_of),
                 self.queries, self.query_tokens, self.hit_tokens)

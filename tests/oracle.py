@@ -495,9 +495,13 @@ class PrefixModel(Model):
       came from a hit, or is the newest block that left the window (it loses its entry at the request's
       next release, if nobody holds it and it is still the same entry; so when the request ends first,
       the block before its last window stays cached); with retention "all", and at free and rewind,
-      blocks keep their entries. When several holders let go of a slot in one settle, it leaves the
-      cache if any of them drops it; otherwise the last holder to let go decides. A cached slot nobody
-      holds that leaves the cache is free;
+      blocks keep their entries. Retention follows the content: an entry whose block lies in a
+      boundary's retained window of any request is marked (`retained`) when that request hits it,
+      publishes the block (whichever slot holds the entry), gets the boundary, or is freed with it in its
+      window; a marked entry stays when any holder lets go of it, and the mark ends with the entry.
+      Otherwise, when several holders let go of a slot in one settle, it leaves the cache if any of them
+      drops it, and else the last holder to let go decides. A cached slot nobody holds that leaves the
+      cache is free;
     - a hit is the largest n = b * tpb < prompt_len such that every group caches every block a query at
       n sees (Geometry.hit_needs); the request starts with history = capacity = n holding those slots;
     - a chunk's scratch range keeps the retained windows (its own end's included) out: the longest run
@@ -521,6 +525,7 @@ class PrefixModel(Model):
         self.slot_of: List[Dict[int, int]] = [{} for _ in range(P)]      # content id -> slot
         self.id_of: List[Dict[int, int]] = [{} for _ in range(P)]        # slot -> content id
         self.serial: List[Dict[int, int]] = [{} for _ in range(P)]       # slot -> its cache entry's serial
+        self.retained: List[Set[int]] = [set() for _ in range(P)]        # content ids a retained window marked
         self.entries = 0
         self.holders = [[0] * n for n in self.totals]
         self.free_slots: List[Set[int]] = [set(range(n)) for n in self.totals]
@@ -567,6 +572,7 @@ class PrefixModel(Model):
             req.published[g.index] = hit
         req.history = req.capacity = hit * tpb
         req.hit = hit
+        self._mark(req, range(hit))
         self.requests[rid] = req
         self.queries, self.query_tokens, self.hit_tokens = self.queries + 1, self.query_tokens + prompt, self.hit_tokens + hit * tpb
         return hit * tpb
@@ -575,6 +581,11 @@ class PrefixModel(Model):
         """Release every slot of the request (every cached block keeps its cache entry)."""
         req = self.requests[rid]
         self.clock += 1
+        if self.retention != "all":       # its last window
+            for g in self.geo.groups:
+                if g.window is not None:
+                    self.retained[g.index].update(req.ids[b] for b in req.slots[g.index]
+                                                  if b < len(req.ids) and req.ids[b] in self.slot_of[g.index])
         for g, held in req.slots.items():
             self._let_go(g, [(s, False) for s in held.values()])
             held.clear()
@@ -666,6 +677,7 @@ class PrefixModel(Model):
             if context:
                 req.scratch[step.id] = scratch
                 req.boundaries.append(cap)
+                self._mark(req, range(min(req.published.values())), [cap])
             model_entries.append(ModelEntry(req, n, start, context, scratch))
         for p, slots in taken.items():
             self._hand_out(p, slots, step.id)
@@ -738,10 +750,12 @@ class PrefixModel(Model):
                 gone = sorted(set(held) - self.blocks(req.rid, g))
                 top = end - 1                     # the newest block out of the window keeps its entry ...
                 out += [(held.pop(b), not (self.kept(req, g, b) or b == top)) for b in gone]
+                out = [(s, d and self.id_of[p].get(s) not in self.retained[p]) for s, d in out]
                 if self.retention == "all":
                     continue
                 old = req.margin.get(p)           # ... until this release, unless something else keeps it
-                if old is not None and not self.kept(req, g, old[0]):
+                if (old is not None and not self.kept(req, g, old[0])
+                        and self.id_of[p].get(old[1]) not in self.retained[p]):
                     b, slot, serial = old
                     if serial is not None and self.serial[p].get(slot) == serial and self.holders[p][slot] == 0:
                         margins.append(slot)
@@ -756,6 +770,7 @@ class PrefixModel(Model):
     def _publish(self, req: PrefixRequest) -> None:
         full = min(req.history // self.geo.tpb, len(req.ids))
         for p in range(len(self.geo.groups)):
+            start = req.published[p]
             for b in range(req.published[p], full):
                 s, cid = req.slots[p].get(b), req.ids[b]
                 if s is None:                          # scratch, or stale before it was full
@@ -769,6 +784,21 @@ class PrefixModel(Model):
                     self.serial[p][s] = self.entries
                     self.events.append((STORED, p, cid))
             req.published[p] = max(req.published[p], full)
+            self._mark(req, range(start, full), groups=[p])      # after: the entries it named count too
+
+    def _mark(self, req: PrefixRequest, blocks, boundaries=None, groups=None) -> None:
+        """Mark retained the cached entries of these blocks of the request that lie in the retained window
+        of one of its boundaries (or of `boundaries`), in the sliding-window groups (or `groups`)."""
+        if self.retention == "all":
+            return
+        for g in self.geo.groups:
+            if g.window is None or (groups is not None and g.index not in groups):
+                continue
+            windows = [self.geo.retained_window(g, pos) for pos in (req.boundaries if boundaries is None else boundaries)]
+            for b in blocks:
+                if (b < len(req.ids) and req.ids[b] in self.slot_of[g.index]
+                        and any(lo <= b < hi for lo, hi in windows)):
+                    self.retained[g.index].add(req.ids[b])
 
     def kept(self, req: PrefixRequest, g, b: int) -> bool:
         """Whether block b of a sliding-window group keeps its cache entry when it leaves the window."""
@@ -802,6 +832,7 @@ class PrefixModel(Model):
 
     def _forget(self, p: int, s: int) -> None:
         cid = self.id_of[p].pop(s)
+        self.retained[p].discard(cid)
         del self.slot_of[p][cid]
         del self.serial[p][s]
         self.events.append((REMOVED, p, cid))

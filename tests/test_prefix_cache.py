@@ -342,6 +342,43 @@ def test_blocks_from_a_hit_keep_their_hash_when_they_leave_the_window(harness):
     assert h.add("C", prompt[:50] + toks(23, 10)) == 48
 
 
+def test_a_prompt_end_window_is_kept_when_another_request_named_its_blocks(harness):
+    """Q and R share 6 blocks and are prefilled in one step: the shared blocks carry Q's slots (published
+    first), and R's identical ones are never named. When they leave Q's window, R's prompt-end window
+    (blocks 2..6 of the window group at tpb 4, window 16) keeps them: R's prompt hits 28 afterwards,
+    as it does when R was prefilled alone."""
+    h = harness(windows=[16, None], tokens_per_block=4, max_seq_len=128, swa_scratch_reuse=False)
+    q = toks(31, 60)
+    r = q[:24] + toks(32, 5)
+    assert h.add("Q", q) == 0 and h.add("R", r) == 0
+    h.step({"Q": 60, "R": 29})
+    h.free("R")
+    h.free("Q")
+    h.tw.synchronize()
+    assert [g["evictions"] for g in h.stats()["prefix_cache"]["groups"]] == [0, 0]
+    assert h.query("S", r) == 28
+
+
+def test_hit_blocks_in_a_freed_request_window_stay_cached_when_their_computer_lets_go(harness):
+    """R hits 28 tokens Q computed and still holds, then is freed: its last window (blocks 4..8) and its
+    prompt-end window stay hit-able (32) after Q, the last holder, moves its window past them."""
+    h = harness(windows=[16, None], tokens_per_block=4, max_seq_len=128, swa_scratch_reuse=False)
+    q = toks(33, 20)
+    h.add("Q", q)
+    h.prefill("Q")
+    more = toks(34, 24)
+    h.decode("Q", more[:8])                  # history 28: Q holds window blocks 3..6
+    r = q + more[:8] + toks(35, 5)
+    assert h.add("R", r) == 28
+    h.prefill("R")
+    h.free("R")
+    assert h.query("S0", r) == 32
+    h.decode("Q", more[8:])                  # blocks 5, 6 leave Q's window
+    h.tw.synchronize()
+    assert [g["evictions"] for g in h.stats()["prefix_cache"]["groups"]] == [0, 0]
+    assert h.query("S", r) == 32
+
+
 def test_retention_all_keeps_every_block_without_scratch(harness):
     h = harness(swa_scratch_reuse=False, prefix_retention="all")
     prompt = toks(24, 150)
