@@ -34,6 +34,25 @@ from .step import DevicePart, Step, StepOutputs
 RING_RUNS, RING_CELLS = 64, 1024
 
 
+class _NeverDone:
+    """The copy event of a slot whose stream could not even record one after a failed run: the slot is
+    never reused (the device is unusable by then)."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        return False
+
+
+def _after_failure(backend):
+    """An event after whatever a failed step's run enqueued on the backend's stream."""
+    try:
+        return backend.record(backend.stream)
+    except Exception:       # noqa: BLE001  (the stream is broken: nothing recorded will ever complete)
+        return _NeverDone()
+
+
 class KernelConsts:
     """Per-manager constants the kernels need (host copies, and device copies for the CUDA backend)."""
 
@@ -162,8 +181,14 @@ class StepPipeline:
             plan = m.plan(twin)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
-            part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries, tokens,
-                                                graph)
+            try:
+                part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries,
+                                                    tokens, graph)
+            except BaseException:
+                # A run that failed part-way may have enqueued what reads the slot (the copy, a launch whose
+                # ready record failed): the slot is not handed out again before the stream has run it.
+                twin.copied = _after_failure(m.backend)
+                raise
             h2d_words += plan.h2d_words(words, graph)
         self.h2d_bytes_last_step = h2d_words * 4
 

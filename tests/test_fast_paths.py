@@ -380,3 +380,41 @@ def test_failed_launch_forces_a_full_step(monkeypatch):
     assert s.mode == staging.MODE_FULL
     s.ready.synchronize()
     assert np.array_equal(be.to_numpy(mgr.out)[:, :2], expected_tables(mgr, mgr.table.copy(), s))
+
+
+def test_a_failed_launch_keeps_its_ring_slot_until_the_stream_ran_it(monkeypatch):
+    """A step whose run fails after its snapshot copy was enqueued (the host backend queues the copy, then
+    the build raises) keeps its ring slot busy: the next steps take other slots, so the pending copy reads
+    the failed step's snapshot, and the recovery step's tables are the reference's. (Without the rule the
+    slot looks free, a later step repacks it before the copy runs, and the mirror runs ahead of the
+    table.) A gate holds the manager stream until every step is enqueued, which forces the interleaving."""
+    mgr = make_mgr(windows=(None,), ring_slots=2)
+    for r in ("a", "b"):
+        mgr.add(r, TPB)
+    s = mgr.prepare_batch({"a": TPB, "b": TPB})
+    s.ready.synchronize()
+    s.finish()
+    mgr.settle(s)
+    be = mgr.backend
+    real = be.build_step
+
+    def broken(*a, **k):
+        raise RuntimeError("launch failed")
+    gate = be.gate(be.stream)
+    monkeypatch.setattr(be, "build_step", broken)
+    with pytest.raises(RuntimeError):
+        mgr.prepare_batch((), ["a", "b"])           # opens block 1: its copy and apply stay queued
+    monkeypatch.setattr(be, "build_step", real)
+    g = mgr.prepare_batch((), ["a", "b"])           # the recovery step: FULL
+    assert g.mode == staging.MODE_FULL
+    g_table = mgr.table.copy()
+    consumer = be.new_stream("consumer")
+    seen = be.device_empty(mgr.out.size).reshape(mgr.out.shape)
+    be.wait(consumer, g.ready)
+    be.copy_d2d(seen, mgr.out, consumer)            # what a consumer of g reads after g.ready
+    g.finish(consumer)
+    mgr.free("b")                                   # the next step clears b's cells
+    mgr.prepare_batch((), ["a"])
+    gate.open()
+    be.synchronize()
+    assert np.array_equal(be.to_numpy(seen)[:, :2], expected_tables(mgr, g_table, g))
