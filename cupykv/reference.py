@@ -28,8 +28,8 @@ def convert_per_layer(table, copy_idx, num_contexts, begs, ends, scratch_slots,
                       pad_to=0):
     """out[L, max_batch, 2, B]; rows s >= max(len(copy_idx), pad_to) of `out` are left as they were.
     (The manager's DELTA steps also write there the changed cells of rows an entry past the batch still
-    holds, docs/design.md "The conversion contract": a step's contract is its rows below max(num_seqs, pad_to), which is
-    what the tests compare with this reference.)
+    holds, docs/design.md "The conversion contract": a step's contract is its rows below max(num_seqs,
+    pad_to), which is what the tests compare with this reference.)
 
     table: [P, rows, B] int32 base slot ids or BAD. copy_idx: [num_seqs] table row of each batch entry.
     begs/ends: [P, num_contexts]; scratch_slots: [P, num_contexts, M]. layer_koff[l] is the K offset of
