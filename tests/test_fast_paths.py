@@ -354,6 +354,20 @@ def test_empty_step(backend_name, pad_to):
     assert np.array_equal(got, expected_tables(mgr, mgr.table.copy(), s))
 
 
+def prepare_with_a_failed_build(monkeypatch, mgr, *args) -> None:
+    """prepare_batch(*args) on the host backend with its build raising: a step's run that fails part-way,
+    after its snapshot copy and delta apply were enqueued."""
+    be = mgr.backend
+    real = be.build_step
+
+    def broken(*a, **k):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(be, "build_step", broken)
+    with pytest.raises(RuntimeError):
+        mgr.prepare_batch(*args)
+    monkeypatch.setattr(be, "build_step", real)
+
+
 def test_failed_launch_forces_a_full_step(monkeypatch):
     """If enqueueing a step's device work raises, the changed cells are not lost and the next step rewrites
     whole rows (the output may hold a partly built step), whatever its batch."""
@@ -367,14 +381,7 @@ def test_failed_launch_forces_a_full_step(monkeypatch):
     s.finish()
     mgr.settle(s)
     be = mgr.backend
-    real = be.build_step
-
-    def broken(*a, **k):
-        raise RuntimeError("launch failed")
-    monkeypatch.setattr(be, "build_step", broken)
-    with pytest.raises(RuntimeError):
-        mgr.prepare_batch((), ["a", "b"])           # token 32 opens block 4: table cells change
-    monkeypatch.setattr(be, "build_step", real)
+    prepare_with_a_failed_build(monkeypatch, mgr, (), ["a", "b"])     # token 32 opens block 4: cells change
     mgr.synchronize()
     s = mgr.prepare_batch((), ["a", "b"])
     assert s.mode == staging.MODE_FULL
@@ -396,15 +403,8 @@ def test_a_failed_launch_keeps_its_ring_slot_until_the_stream_ran_it(monkeypatch
     s.finish()
     mgr.settle(s)
     be = mgr.backend
-    real = be.build_step
-
-    def broken(*a, **k):
-        raise RuntimeError("launch failed")
     gate = be.gate(be.stream)
-    monkeypatch.setattr(be, "build_step", broken)
-    with pytest.raises(RuntimeError):
-        mgr.prepare_batch((), ["a", "b"])           # opens block 1: its copy and apply stay queued
-    monkeypatch.setattr(be, "build_step", real)
+    prepare_with_a_failed_build(monkeypatch, mgr, (), ["a", "b"])     # opens block 1: copy and apply queued
     g = mgr.prepare_batch((), ["a", "b"])           # the recovery step: FULL
     assert g.mode == staging.MODE_FULL
     g_table = mgr.table.copy()
