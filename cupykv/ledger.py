@@ -39,6 +39,7 @@ class StepLedger:
         self.next_id = 0
         self.finished_through = -1
         self.in_flight: List[Union[Step, Fence]] = []    # finish event not yet complete, in id order
+        self.num_fences = 0                 # the Fences among them (copies of the host tier, not steps)
         self.unsettled: List[Step] = []
         self.latest: Optional[Step] = None     # the step whose outputs the buffers hold
 
@@ -59,6 +60,7 @@ class StepLedger:
         fence = Fence(self.next_id, event)
         self.next_id += 1
         self.in_flight.append(fence)
+        self.num_fences += 1
         return fence.id
 
     def steps_in_flight(self) -> List[Step]:
@@ -88,6 +90,8 @@ class StepLedger:
         k = self.completed_count()
         if k:
             self.finished_through = self.in_flight[k - 1].id
+            if self.num_fences:
+                self.num_fences -= sum(1 for s in self.in_flight[:k] if isinstance(s, Fence))
             del self.in_flight[:k]
         for pool in self.pools:
             pool.reclaim(self.finished_through)
@@ -102,15 +106,18 @@ class StepLedger:
                 return
             step.wait_finished(self.timeout_s)
 
+    def num_steps_in_flight(self) -> int:
+        """Prepared steps in in_flight (some may have completed since the last poll; fences not counted)."""
+        return len(self.in_flight) - self.num_fences
+
     def wait_for_in_flight(self, limit: int) -> bool:
-        """Wait for finish events (oldest first, each up to timeout_s) until fewer than `limit` in-flight
-        steps are incomplete; returns whether they are. Changes nothing (poll lifts what completed)."""
-        k = self.completed_count()      # in_flight[:k] have completed
-        for step in self.in_flight[k:]:
-            if len(self.in_flight) - k < limit or not step.wait_finished(self.timeout_s):
-                break
-            k += 1
-        return len(self.in_flight) - k < limit
+        """Wait for finish events (oldest first, each up to timeout_s) until fewer than `limit` prepared
+        steps are incomplete (fences, the host tier's copies, do not count); returns whether they are.
+        Changes nothing (poll lifts what completed)."""
+        pending = [s for s in self.in_flight if isinstance(s, Step) and not s.is_complete()]
+        while len(pending) >= limit and pending[0].wait_finished(self.timeout_s):
+            pending.pop(0)
+        return len(pending) < limit
 
     def wait_all(self) -> None:
         for step in list(self.in_flight):

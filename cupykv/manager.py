@@ -388,11 +388,11 @@ class KVCacheManager:
                         f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
                         f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined by "
                         "unfinished steps")
-        if len(ledger.in_flight) >= self.max_steps_in_flight:
+        if ledger.num_steps_in_flight() >= self.max_steps_in_flight:
             # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
             # when waited on): wait for them as for slots, and fail only if they do not complete in time
             if not ledger.wait_for_in_flight(self.max_steps_in_flight):
-                raise StepOrderError(f"{len(ledger.in_flight)} steps are in flight (max_steps_in_flight="
+                raise StepOrderError(f"{ledger.num_steps_in_flight()} steps are in flight (max_steps_in_flight="
                                      f"{self.max_steps_in_flight}); the oldest finish events did not complete "
                                      f"within staging_timeout_s={ledger.timeout_s}")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells

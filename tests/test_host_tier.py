@@ -1221,3 +1221,23 @@ def test_resumed_host_slots_return_only_after_the_copy_back(backend_name):
     assert not gate.close_timeout_hit()
     mgr.synchronize()
     assert rig.host_used() == [0] * len(want)
+
+
+def test_a_suspend_copy_in_flight_is_not_a_step_in_flight(backend_name):
+    """max_steps_in_flight counts prepared steps only: a suspend whose copy to the host is still running
+    (the ledger's fence for it) neither refuses nor holds back the next prepare_batch."""
+    rig, _ = prefilled_a_and_b(backend_name)
+    mgr, be = rig.mgr, rig.be
+    mgr.max_steps_in_flight = 1
+    mgr.ledger.timeout_s = 0.2              # a wait for the copy would fail this fast
+    gate = be.gate(rig.tier.stream)         # the suspend's copy out is held
+    rig.suspend("a")
+    assert mgr.steps_in_flight == [] and mgr.stats()["steps_in_flight"] == 0
+    s = mgr.prepare_batch((), ["b"])
+    s.finish()
+    assert mgr.request("a").suspended
+    gate.open()
+    assert not gate.close_timeout_hit()
+    mgr.synchronize()
+    assert [t.id for t in mgr.steps_in_flight] == []
+    mgr.settle(s)
