@@ -274,7 +274,7 @@ class PrefixCache:
                         del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                         self.host.release_cache_slot(p, hs)
             seq.published[p] = full
-        if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches the new blocks (decode: none)
+        if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
             self._retain(seq, before, full)
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
