@@ -312,7 +312,7 @@ class PrefixCache:
         old = seq.margin[g.index]
         if old is not None and not self._keeps(seq, g, old[0]) and names.get(old[1]) not in kept:
             b, slot = old                     # still the same block's slot (not evicted and reused since)?
-            if (b < len(seq.hashes) and self.hash_of[g.index].get(slot) == seq.hashes[b]
+            if (b < len(seq.hashes) and names.get(slot) == seq.hashes[b]
                     and self.pools[g.index].refs[slot] == 0):
                 drop.append(slot)
         if slots[-1] != BAD:

@@ -4,14 +4,15 @@ timed alone, and right after the calls a step makes.
     python scripts/driver_footprint.py
 
 The piece is a decode step's settle at batch 1 and at batch 256 (host backend, its device work no-ops:
-numpy on small arrays and Python, no CUDA call), on a manager of its own for each condition; before each timed settle, on a
-separate CUDA stream, one of:
+numpy on small arrays and Python, no CUDA call), on a manager of its own for each condition; before each
+timed settle, on a separate CUDA stream (host_floor.py's), one of:
 
     nothing                     (the settle alone, as profile_manager.py times it)
     eventRecord                 one raw event record
     launch, 1 argument          cuLaunchKernel of an empty kernel with one pointer argument
     launch, 3.8 KB parameters   cuLaunchKernel with the snapshot struct by value (cupykv_step_inline's size)
-    a step's calls              two eventQuery, streamWaitEvent, the 3.8 KB launch, eventRecord (the floor's)
+    a step's calls              two eventQuery, streamWaitEvent, the 3.8 KB launch, eventRecord
+                                (host_floor.Floor.cuda_calls)
 
 and either the stream is synchronized after each settle (the GPU idle at the next calls) or not. Only the
 settle is timed (perf_counter around it), so what moves is the settle's own cost: the host's caches and
@@ -22,42 +23,25 @@ import time
 
 import cupy
 import numpy as np
-from cupy.cuda import runtime as rt
 
 sys.path.insert(0, "scripts")
+from host_floor import Floor  # noqa: E402
 from profile_manager import make_manager  # noqa: E402
-from cupykv.backends.cuda import PackedLaunch, ParamBytes  # noqa: E402
-
-PARAM_BYTES = 3840
+from cupykv.backends.cuda import PackedLaunch  # noqa: E402
 
 
 def main():
-    stream = cupy.cuda.Stream(non_blocking=True)
+    floor = Floor(1, cuda=True)                 # its CUDA calls and their kernel, stream and events
+    rt, big_launch, stream, events = floor.cuda
     empty = cupy.RawKernel('extern "C" __global__ void empty(int* p) {}', "empty")
-    big = cupy.RawKernel(f'''struct Snap {{ int w[{PARAM_BYTES // 4}]; }};
-        extern "C" __global__ void big(const __grid_constant__ Snap s, int* out) {{ out[0] = s.w[0]; }}''', "big")
-    out = cupy.zeros(4, np.int32)
-    host = cupy.cuda.alloc_pinned_memory(PARAM_BYTES)
-    small_launch, big_launch = PackedLaunch(empty, (out,)), PackedLaunch(big, (ParamBytes(host.ptr), out))
-    events = [cupy.cuda.Event(disable_timing=True) for _ in range(4)]
-    for e in events:
-        e.record(stream)
+    small_launch = PackedLaunch(empty, (cupy.zeros(4, np.int32),))
     small_launch(1, stream.ptr)
-    big_launch(1, stream.ptr)
     stream.synchronize()
-
-    def step_calls():
-        rt.eventQuery(events[0].ptr)
-        rt.eventQuery(events[1].ptr)
-        rt.streamWaitEvent(stream.ptr, events[2].ptr)
-        big_launch(1, stream.ptr)
-        rt.eventRecord(events[3].ptr, stream.ptr)
-
     before = {"nothing": lambda: None,
               "eventRecord": lambda: rt.eventRecord(events[3].ptr, stream.ptr),
               "launch, 1 argument": lambda: small_launch(1, stream.ptr),
               "launch, 3.8 KB parameters": lambda: big_launch(1, stream.ptr),
-              "a step's calls": step_calls}
+              "a step's calls": floor.cuda_calls}
     for batch in (1, 256):
         rids = list(range(batch))
         print(f"settle of a batch-{batch} decode step (host backend), medians of 400 (us): "

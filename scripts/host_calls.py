@@ -7,8 +7,8 @@ Wraps the step plan's run (the copy, the kernels or the graph replay, the ready 
 record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
 of prepare_batch itself, with launches and with graphs, how many CUDA events a step had to create (its
 backend's pool was empty), and then the median of the bare calls for scale, on an idle stream and while the
-stream runs a kernel. --parts: timers around the manager's own parts of a step too. --no-wait: each batch size a second time without waiting for each step's ready event
-(as host_floor.py's steps run).
+stream runs a kernel. --parts: timers around the manager's own parts of a step too. --no-wait: each batch
+size a second time without waiting for each step's ready event (as host_floor.py's steps run).
 """
 import sys
 import time

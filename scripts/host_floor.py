@@ -108,14 +108,18 @@ class Floor:
         np.concatenate((self.rows32, cells, values, self.cu, cap), out=self.slot[24:24 + 3 * n + 2 * c + 1],
                        casting="unsafe")
         if self.cuda is not None:
-            rt, launch, stream, events = self.cuda
-            rt.eventQuery(events[0].ptr)            # the oldest step in flight
-            rt.eventQuery(events[1].ptr)            # the ring slot's last copy
-            rt.streamWaitEvent(stream.ptr, events[2].ptr)     # the previous step's finish
-            launch(1, stream.ptr)
-            rt.eventRecord(events[3].ptr, stream.ptr)         # ready
+            self.cuda_calls()
         self.prev_finished = False
         return rows, cap
+
+    def cuda_calls(self) -> None:
+        """The CUDA calls of a step: two polls, the wait for the previous finish, the launch, the ready."""
+        rt, launch, stream, events = self.cuda
+        rt.eventQuery(events[0].ptr)            # the oldest step in flight
+        rt.eventQuery(events[1].ptr)            # the ring slot's last copy
+        rt.streamWaitEvent(stream.ptr, events[2].ptr)     # the previous step's finish
+        launch(1, stream.ptr)
+        rt.eventRecord(events[3].ptr, stream.ptr)         # ready
 
     def settle(self, rows: np.ndarray) -> None:
         hist = self.hist[rows] + 1

@@ -3,8 +3,8 @@
     python scripts/profile_manager.py [--batch N] [--lines] [--census] [--parts]     (batch 256 by default)
 
 --lines: line_profiler over the step's main functions (needs line_profiler). --parts: perf_counter timers
-around the step's parts (time_parts; scripts/host_calls.py --parts times the same on CUDA). --census: what one step
-(prepare_batch, finish, settle) executes: Python function calls, calls of C functions (builtins and
+around the step's parts (time_parts; scripts/host_calls.py --parts times the same on CUDA). --census: what
+one step (prepare_batch, finish, settle) executes: Python function calls, calls of C functions (builtins and
 numpy's methods; numpy's operators and indexing are not calls and are not counted), and bytecodes.
 """
 import collections
