@@ -96,6 +96,11 @@ class LayerGroup:
         up = self.tokens_per_block - 1
         return (start + up) >> self._shift, (capacity + up) >> self._shift
 
+    def block_room(self, capacity):
+        """Tokens a sequence of `capacity` tokens can take before it opens a block: what its last block has
+        left (new_blocks(capacity, capacity + block_room(capacity)) is empty; ints or int64 arrays)."""
+        return (self.new_blocks(0, capacity)[1] << self._shift) - capacity
+
     def rewind_blocks(self, capacity: int, rejected: int) -> Tuple[int, int]:
         """Blocks that rejecting the last `rejected` of `capacity` tokens gives back (never stale ones:
         a rewind only undoes the newest tokens)."""

@@ -93,6 +93,8 @@ class _Plan:
     gen_end: np.ndarray                # and after it (gen_cap + k)
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
+    gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
+    room_worked_out: bool              # from the capacities (not the room before less k)
     k: int
     scratch_width: int
     pad_to: int
@@ -129,7 +131,7 @@ class KVCacheManager:
                  steady_batch_delta: bool = True, devices: Optional[Sequence[int]] = None):
         if not isinstance(spec, CacheSpec):
             raise InvalidSpecError(f"spec={spec!r}: needs a cupykv.CacheSpec")
-        if staging not in STAGING_MODES:
+        if not isinstance(staging, str) or staging not in STAGING_MODES:
             raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
         ring_slots = as_count(ring_slots, "ring_slots", minimum=1, error=InvalidSpecError)
         max_ring_slots = as_count(max_ring_slots, "max_ring_slots", minimum=ring_slots, error=InvalidSpecError)
@@ -227,7 +229,8 @@ class KVCacheManager:
             hit, triples = cache.lookup(seq.hashes, n, with_host=False)
         # -- nothing has changed so far --
         row = reqs.add(rid, n).row
-        reqs.hist[row] = reqs.cap[row] = cached = hit * self.layout.tpb
+        reqs.hist[row] = cached = hit * self.layout.tpb
+        reqs.set_capacity(row, cached)
         for g, held in zip(self.layout.groups, triples):
             on_device = [(b, s) for b, s, on_host in held if not on_host]
             on_host = [(b, s) for b, s, on_host in held if on_host]
@@ -363,7 +366,9 @@ class KVCacheManager:
                                       f"{spec.max_batch}] (the step's entries, max_batch)")
         cap = reqs.cap[gen_rows]
         end = cap + k
-        if len(end) and end.max() > spec.max_seq_len:
+        # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room).
+        in_room = not ctx_rows and gen is not None and gen.has_room(k, reqs.cap_writes)
+        if not in_room and len(end) and end.max() > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
                                         f"max_seq_len={spec.max_seq_len}")
@@ -371,23 +376,24 @@ class KVCacheManager:
         if total_tokens > spec.step_token_capacity:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
-        # The blocks the generation tokens open: the same in every group (generation is never scratch).
-        lo, hi = lay.groups[0].new_blocks(cap, end)
-        opened = (hi > lo).nonzero()[0]
-        if len(opened):
-            new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-        else:               # most decode steps open no block: skip the gathers
+        room, worked_out = -1, False
+        if in_room:
             new_rows = new_blocks = NO_INDEX
-        need = [len(new_rows) + chunks.count for chunks in ctx_slots]
-        for p, pool in enumerate(self.pools):
-            # the free list alone answers the common case; available() also counts lifted quarantine
-            if need[p] > pool.num_available and need[p] > ledger.available(p):
-                ledger.wait_for_slots(p, need[p])
-                if need[p] > ledger.available(p):
-                    raise OutOfSlotsError(
-                        f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                        f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined by "
-                        "unfinished steps")
+            room = gen.room - k
+        else:
+            # The blocks the generation tokens open: the same in every group (generation is never scratch).
+            g = lay.groups[0]
+            lo, hi = g.new_blocks(cap, end)
+            opened = (hi > lo).nonzero()[0]
+            if len(opened):
+                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
+            else:               # most decode steps open no block: skip the gathers
+                new_rows = new_blocks = NO_INDEX
+            if not ctx_rows and gen is not None and gen.tracks_room:
+                room = min(int(g.block_room(end).min()), spec.max_seq_len - int(end.max()))
+                worked_out = True
+        if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
+            self._check_slots([len(new_rows) + chunks.count for chunks in ctx_slots])
         if ledger.num_steps_in_flight() >= self.max_steps_in_flight:
             # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
             # when waited on): wait for them as for slots, and fail only if they do not complete in time
@@ -400,8 +406,22 @@ class KVCacheManager:
         live = max(len(ctx_rows) + len(gen_rows), pad_to)
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
                                most_rebuilt(live), spec.max_batch - live)
-        return _Plan([rid for rid, _ in ctx_items], ctx_rows, ctx_tokens, ctx_slots, gen_ids, gen, cap, end,
-                     new_rows, new_blocks, k, M, pad_to, self.pipeline.acquire(words))
+        return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
+                     gen, cap, end, new_rows, new_blocks, room, worked_out, k, M, pad_to, self.pipeline.acquire(words))
+
+    def _check_slots(self, need: List[int]) -> None:
+        """Every group has need[p] slots for the step (waiting for quarantine to lift where that covers it),
+        or OutOfSlotsError."""
+        lay, ledger = self.layout, self.ledger
+        for p, pool in enumerate(self.pools):
+            # the free list alone answers the common case; available() also counts lifted quarantine
+            if need[p] > pool.num_available and need[p] > ledger.available(p):
+                ledger.wait_for_slots(p, need[p])
+                if need[p] > ledger.available(p):
+                    raise OutOfSlotsError(
+                        f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
+                        f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined by "
+                        "unfinished steps")
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -414,7 +434,9 @@ class KVCacheManager:
         if not plan.ctx_rows and gen is not None:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
-            reqs.cap[rows] = plan.gen_end          # = starts + tokens, already computed by the plan
+            reqs.set_capacity(rows, plan.gen_end)          # = starts + tokens, already computed by the plan
+            if plan.gen_room >= 0:
+                gen.keep_room(plan.gen_room, reqs.cap_writes, plan.room_worked_out)
         else:
             gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))
@@ -422,7 +444,7 @@ class KVCacheManager:
             gen_tokens = gen.tokens_for(k) if gen is not None else gen_rows
             tokens = np.concatenate((np.array(plan.ctx_tokens, np.int64), gen_tokens))
             starts = reqs.cap[rows]
-            reqs.cap[rows] = starts + tokens
+            reqs.set_capacity(rows, starts + tokens)
         reqs.last_scheduled[rows] = step_id
         ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
@@ -543,7 +565,7 @@ class KVCacheManager:
         reqs.hist[rows] = hist
         for i in rewinds:
             cap, row = int(reqs.cap[rows[i]]), int(rows[i])
-            reqs.cap[row] = cap - rejected[i]
+            reqs.set_capacity(row, cap - rejected[i])
             for g in self.layout.groups:
                 lo, hi = g.rewind_blocks(cap, int(rejected[i]))
                 self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)

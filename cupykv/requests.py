@@ -6,7 +6,8 @@ can tell whether the request it scheduled in a row is still the one there.
 
 One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
 free). Everything cached about rows compares it: the validated generation list, and settle's "every
-entry of the step is still live" shortcut.
+entry of the step is still live" shortcut. Another, `cap_writes`, is bumped by every write of a capacity
+(set_capacity, its one writer): the validated list's room (GenBatch.room) compares it.
 """
 from __future__ import annotations
 
@@ -80,9 +81,14 @@ class GenBatch:
     (`moves`). A request that could decode stays able to (its capacity never drops below its prompt:
     rewinds undo only generated tokens). The arrays are shared by the steps that schedule this list, so
     they are read-only.
+
+    room: how many more tokens every entry can take before one of them opens a block or passes
+    max_seq_len, as of the capacities after the table's cap_writes-th capacity write (room_at); a decode
+    step of this list that fits in it skips those checks. The list's own decode steps keep it (keep_room);
+    any other capacity write (a rewind, a step of another list) leaves it stale until one works it out again.
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens")
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "room_at", "tracks_room")
 
     def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
         self.ids = ids
@@ -91,6 +97,10 @@ class GenBatch:
         self.incarnations = frozen(incarnations)
         self.moves = moves
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
+        self.room, self.room_at = 0, -1
+        # Working the room out costs a few numpy operations: worth it while it comes out positive (a large
+        # batch nearly always has an entry at a block's end, and so no room).
+        self.tracks_room = True
 
     def matches(self, ids: List[RequestId], moves: int) -> bool:
         """Equal ids hash equal (Python's rule for dict keys), so with no move since, an equal list maps
@@ -101,6 +111,17 @@ class GenBatch:
             return ids == self.ids
         except Exception:        # an id whose == misbehaves (an array): let the full checks report it
             return False
+
+    def has_room(self, k: int, cap_writes: int) -> bool:
+        """Whether k more tokens for every entry open no block and pass no max_seq_len (see room)."""
+        return self.room_at == cap_writes and k <= self.room
+
+    def keep_room(self, room: int, cap_writes: int, worked_out: bool) -> None:
+        """After a decode step of this list (the capacity write cap_writes): its room, worked out from the
+        capacities (worked_out) or the room before less the step's tokens."""
+        self.room, self.room_at = room, cap_writes
+        if worked_out and room == 0:
+            self.tracks_room = False
 
     def tokens_for(self, k: int) -> np.ndarray:
         if k != self.k:
@@ -125,6 +146,7 @@ class RequestTable:
         self.row_of: Dict[RequestId, int] = {}
         self.free_rows = list(range(rows))
         self.moves = 0
+        self.cap_writes = 0
         self.unsettled = unsettled                      # () -> the manager's unsettled steps (Request.pending)
         self._gen: Optional[GenBatch] = None
 
@@ -148,7 +170,8 @@ class RequestTable:
     def add(self, rid: RequestId, prompt_len: int) -> Request:
         """Put a request into the lowest free row (the caller checked check_new and free_rows)."""
         row = heapq.heappop(self.free_rows)
-        self.hist[row] = self.cap[row] = 0
+        self.hist[row] = 0
+        self.set_capacity(row, 0)
         self.prompt[row] = prompt_len
         self.last_scheduled[row] = -1
         self.suspended[row] = False
@@ -157,6 +180,11 @@ class RequestTable:
         self.row_of[rid] = row
         self.moves += 1
         return req
+
+    def set_capacity(self, rows, values) -> None:
+        """cap[rows] = values: every write of a capacity goes through here (cap_writes counts them)."""
+        self.cap[rows] = values
+        self.cap_writes += 1
 
     def remove(self, rid: RequestId) -> Request:
         req = self.requests.pop(rid)

@@ -127,7 +127,7 @@ def census(step, steps: int = 20) -> None:
     """Print what `step` executes per call, averaged over `steps` calls: Python function calls and C calls
     (sys.setprofile), then bytecodes in separate calls (instruction events: sys.monitoring from Python
     3.12, where sys.settrace no longer reports opcodes, sys.settrace before)."""
-    calls, c_calls, opcodes = collections.Counter(), collections.Counter(), [0]
+    calls, c_calls, opcodes, where = collections.Counter(), collections.Counter(), [0], collections.Counter()
 
     def on_call(frame, event, arg):
         if event == "call":
@@ -139,6 +139,7 @@ def census(step, steps: int = 20) -> None:
         frame.f_trace_opcodes = True
         if event == "opcode":
             opcodes[0] += 1
+            where[frame.f_code.co_qualname] += 1
         return on_opcode
 
     def run(start, stop):
@@ -157,7 +158,10 @@ def census(step, steps: int = 20) -> None:
     else:
         tool = mon.PROFILER_ID
         mon.use_tool_id(tool, "census")
-        mon.register_callback(tool, mon.events.INSTRUCTION, lambda code, offset: opcodes.__setitem__(0, opcodes[0] + 1))
+        def on_instruction(code, offset):
+            opcodes[0] += 1
+            where[code.co_qualname] += 1
+        mon.register_callback(tool, mon.events.INSTRUCTION, on_instruction)
         try:
             run(lambda: mon.set_events(tool, mon.events.INSTRUCTION), lambda: mon.set_events(tool, 0))
         finally:
@@ -165,6 +169,7 @@ def census(step, steps: int = 20) -> None:
     print(f"census per step: {sum(calls.values()) / steps:.0f} Python calls, {sum(c_calls.values()) / steps:.0f} "
           f"C calls, {opcodes[0] / steps:.0f} bytecodes (Python {sys.version.split()[0]})")
     print("  C calls:", ", ".join(f"{name} {n / steps:g}" for name, n in c_calls.most_common(12)))
+    print("  bytecodes by function (own):", ", ".join(f"{name} {n / steps:g}" for name, n in where.most_common(24)))
 
 
 def main():

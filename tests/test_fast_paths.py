@@ -143,6 +143,51 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
     assert crossed > 5 and stale > 5, (crossed, stale)      # the workload exercised both fast paths
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypatch):
+    """A small decode batch skips the block and max_seq_len checks while its steps fit the list's room
+    (GenBatch.room): every block still opens with its first token, a rewind or a step of another list
+    makes the room be worked out again, and a step that would pass max_seq_len (not a block's end here) is
+    still refused whole."""
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                            max_seq_len=157, max_batch=4, slots_per_group=200, max_rewind=3)
+    mgr = cupykv.KVCacheManager(spec, backend="host")
+    model, cap = Model(mgr), Capture(mgr)
+    in_room = []
+    has_room = cupykv.requests.GenBatch.has_room
+    monkeypatch.setattr(cupykv.requests.GenBatch, "has_room",
+                        lambda self, k, at: in_room.append(has_room(self, k, at)) or in_room[-1])
+    rng = np.random.default_rng(batch)
+    ids, refused, n = [], 0, 0
+    for it in range(160):
+        while len(ids) < batch:                # a new request whenever one reached max_seq_len
+            rid, n = f"r{n}", n + 1
+            prefill(model, cap, [(rid, int(rng.integers(1, 40)))])
+            ids.append(rid)
+        k = int(rng.choice([1, 1, 1, 2, 3, TPB + 1]))
+        gen = ids if batch == 1 or it % 11 else ids[:1]     # now and then another list
+        if max(model.req[r][1] for r in gen) + k > spec.max_seq_len:
+            before = mgr.state()
+            with pytest.raises(CapacityExceededError, match="max_seq_len"):
+                mgr.prepare_batch((), gen, num_gen_tokens=k)
+            assert mgr.state() == before
+            refused += 1
+            full = max(gen, key=lambda r: model.req[r][1])
+            model.free(full)
+            ids.remove(full)
+            continue
+        s = mgr.prepare_batch((), gen, num_gen_tokens=k)
+        model.scheduled(s)
+        cap.consume(s)
+        acc = {r: int(rng.integers(k - min(k, 3), k + 1)) for r in gen} if it % 7 == 6 else None
+        mgr.settle(s, acc)             # rejected tokens: a capacity write outside the list's steps
+        model.settled(s, acc)
+        model.check()
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert refused >= 2 and sum(in_room) > 25 and in_room.count(False) > 20, (refused, in_room.count(True))
+
+
 def _twin_managers(monkeypatch):
     """Two managers fed the same calls: `fast` as is, `slow` without the validated-list cache and with
     settle checking every entry's liveness."""

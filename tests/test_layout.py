@@ -115,6 +115,24 @@ def test_gpt_oss_stale_range(h, stale):
 # --------------------------------------------------------------------------------------------------
 # Gemma-3 shape
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tpb", [1, 4, 16])
+def test_block_room_is_what_the_last_block_has_left(tpb):
+    """block_room(c): the most tokens a sequence of c tokens takes without opening a block (new_blocks),
+    for ints and arrays alike."""
+    spec = CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=tpb, max_seq_len=256,
+                     max_batch=1, slots_per_group=8)
+    g = Layout(spec).groups[0]
+    caps = np.arange(0, 70, dtype=np.int64)
+    rooms = g.block_room(caps)
+    for c, room in zip(caps.tolist(), rooms.tolist()):
+        assert g.block_room(c) == room
+        lo, hi = g.new_blocks(c, c + room)
+        assert lo == hi, (c, room)                  # no block opens within the room
+        lo, hi = g.new_blocks(c, c + room + 1)
+        assert hi == lo + 1, (c, room)              # the next token opens one
+        assert 0 <= room < tpb
+
+
 def test_gemma3_groups():
     lay = Layout(gemma3_spec())
     swa, full = lay.groups
