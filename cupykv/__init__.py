@@ -4,7 +4,7 @@ Importing cupykv creates no stream, event, pinned buffer or device array, and wo
 """
 from .errors import (BackendUnavailableError, CapacityExceededError, CupykvError, DuplicateRequestError,
                      InvalidRequestError, InvalidSpecError, OutOfSlotsError, StagingExhaustedError,
-                     StepOrderError, UnknownRequestError)
+                     StepOrderError, UnknownDeviceError, UnknownRequestError)
 from .layout import BAD, Layout, LayerGroup
 from .manager import KVCacheManager, Request
 from .step import Step
@@ -21,5 +21,5 @@ __all__ = [
     "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
     "CupykvError", "InvalidSpecError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
-    "BackendUnavailableError", "HostTierFullError", "InteropUnavailableError", "StorageDtypeError",
+    "UnknownDeviceError", "BackendUnavailableError", "HostTierFullError", "InteropUnavailableError", "StorageDtypeError",
 ]

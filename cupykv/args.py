@@ -6,6 +6,7 @@ int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edg
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Iterable, Mapping, Optional, Sequence, Type
 
 import numpy as np
@@ -16,6 +17,14 @@ from .errors import CupykvError, InvalidRequestError, UnknownRequestError
 def is_count(value) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_ordered(value) -> bool:
+    """Items in an order of their own: an iterable that is not a str or bytes, a set or a mapping (whose
+    order would be theirs, or keys), or a numpy array of other than one dimension."""
+    if isinstance(value, (str, bytes, Set, Mapping)) or not isinstance(value, Iterable):
+        return False
+    return getattr(value, "ndim", 1) == 1
 
 
 def as_count(value, what: str, *, minimum: int = 0, maximum: Optional[int] = None,
@@ -51,7 +60,7 @@ def context_items(contexts) -> list:
         return []
     if isinstance(contexts, Mapping):
         return list(contexts.items())
-    if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Iterable):
+    if not is_ordered(contexts):
         raise InvalidRequestError(f"contexts={contexts!r}: pass a mapping request id -> chunk tokens, or "
                                   "(request id, tokens) pairs")
     items = []
@@ -66,14 +75,12 @@ def request_ids(generation) -> list:
     """prepare_batch's generation list (any iterable of ids, or a numpy array) as a list of its own."""
     if type(generation) is list or type(generation) is tuple:      # before the slower ABC checks
         return list(generation)
-    if isinstance(generation, np.ndarray):
-        return generation.tolist()
-    if isinstance(generation, (str, bytes)) or not isinstance(generation, Iterable):
-        raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids")
-    if isinstance(generation, (set, frozenset, Mapping)):       # the batch order would be theirs, or keys
+    if isinstance(generation, (Set, Mapping)):       # the batch order would be theirs, or keys
         raise InvalidRequestError(f"generation={generation!r}: a {type(generation).__name__} is not a batch order; "
                                   "pass a list of request ids (num_gen_tokens= gives the tokens of each)")
-    return list(generation)
+    if not is_ordered(generation):
+        raise InvalidRequestError(f"generation={generation!r}: pass a list of request ids")
+    return generation.tolist() if isinstance(generation, np.ndarray) else list(generation)
 
 
 def accepted_counts(accepted, request_ids: Sequence, scheduled: np.ndarray, num_contexts: int,
@@ -91,12 +98,12 @@ def accepted_counts(accepted, request_ids: Sequence, scheduled: np.ndarray, num_
             except (KeyError, TypeError):
                 raise UnknownRequestError(f"request {rid!r} is not in step {step_id}") from None
             acc[i] = as_count(a, f"request {rid!r}: accepted", maximum=int(scheduled[i]))
-    elif isinstance(accepted, (str, bytes)) or not isinstance(accepted, Iterable):
+    elif isinstance(accepted, np.ndarray) and accepted.ndim != 1:
+        raise InvalidRequestError(f"accepted: one count per batch entry, got an array of shape {accepted.shape}")
+    elif not is_ordered(accepted):
         raise InvalidRequestError(f"accepted={accepted!r}: pass None, a mapping request id -> accepted "
-                                  f"tokens, or one count per batch entry")
+                                  f"tokens, or one count per batch entry (in batch order)")
     else:
-        if isinstance(accepted, np.ndarray) and accepted.ndim != 1:
-            raise InvalidRequestError(f"accepted: one count per batch entry, got an array of shape {accepted.shape}")
         vals = accepted.tolist() if isinstance(accepted, np.ndarray) else list(accepted)
         if len(vals) != len(scheduled):
             raise InvalidRequestError(f"accepted has {len(vals)} entries; step {step_id} has {len(scheduled)}")

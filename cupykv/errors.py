@@ -45,5 +45,9 @@ class StepOrderError(CupykvError):
     """Steps used out of order: preparing before the previous step was finished, settling twice, ..."""
 
 
+class UnknownDeviceError(CupykvError, IndexError):
+    """A device rank (step.on(rank)) the manager does not have."""
+
+
 class BackendUnavailableError(CupykvError, RuntimeError):
     """The requested backend cannot run here (no CuPy, no driver, no GPU)."""

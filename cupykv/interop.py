@@ -138,6 +138,8 @@ def finish_on_torch(step, stream=None) -> None:
     """step.finish() recorded on a torch stream (default: torch's current stream on the step's device): the
     consumer's last read of the step's buffers is enqueued there. With several devices pass step.on(rank)
     (a stream belongs to one device)."""
+    if not isinstance(step, (Step, DeviceStep)):
+        raise StepOrderError(f"finish_on_torch: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
     if len(getattr(step, "parts", ())) > 1 and not hasattr(step, "rank"):
         raise StepOrderError(f"step {step.id} runs on {len(step.parts)} devices: finish each with "
                              "finish_on_torch(step.on(rank), stream)")
@@ -159,12 +161,17 @@ class CsrBuffers:
     stay valid until the next step's are written (after the previous consumer's finish event)."""
 
     def __init__(self, manager, rank: int = 0):
+        from .manager import KVCacheManager
+        if not isinstance(manager, KVCacheManager):
+            raise InvalidRequestError(f"CsrBuffers needs the KVCacheManager whose steps it serves, got "
+                                      f"{type(manager).__name__}")
         devices = len(manager.pipeline.mirrors)
         rank = as_count(rank, "CsrBuffers: rank", maximum=devices - 1)   # the device's KVCacheManager(devices=...) position
         mirror = manager.pipeline.mirrors[rank]
         be, spec = mirror.backend, manager.spec
         B = manager.layout.max_blocks
         self.outputs = mirror.outputs         # the step outputs these buffers serve (csr_views checks)
+        self.rank, self.all_outputs = rank, [m.outputs for m in manager.pipeline.mirrors]
         self.indptr = be.device_full((spec.max_batch + 1,), 0, np.int32)
         self.indices = be.device_full((spec.max_batch * B + 1,), BAD, np.int32)
         self.last_page_len = be.device_full((spec.max_batch,), 0, np.int32)
@@ -299,6 +306,10 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     last_host = ((seq_lens - 1) % tpb + 1).astype(np.int32)
     if buffers is not None:
         if buffers.outputs is not step.outputs:
+            if any(out is step.outputs for out in buffers.all_outputs):
+                rank = buffers.all_outputs.index(step.outputs)
+                raise InvalidRequestError(f"csr_views: these buffers are device {buffers.rank}'s and the step is "
+                                          f"device {rank}'s: use CsrBuffers(manager, rank={rank})")
             raise InvalidRequestError("csr_views: buffers belong to another manager")
         indptr, indices, last = buffers.indptr[:n + 1], buffers.indices, buffers.last_page_len[:n]
     else:

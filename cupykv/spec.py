@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .args import as_count, is_count
+from .args import as_count, is_count, is_ordered
 from .errors import InvalidSpecError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -28,12 +28,9 @@ def _count(name: str, value, minimum: int, maximum: Optional[int] = INT32_MAX) -
 
 def _counts(name: str, value, minimum: int, what: str) -> tuple:
     """A sequence field as a tuple of Python ints, each >= minimum; `what` names one entry ("layer")."""
-    try:
-        items = tuple(value)
-    except TypeError:
-        items = None
-    if items is None:
+    if not is_ordered(value):
         _fail(name, value, f"must be an int >= {minimum} or a sequence of them")
+    items = tuple(value)
     for i, v in enumerate(items):
         if not is_count(v) or not minimum <= v <= INT32_MAX:
             _fail(name, value, f"{what} {i} has {v!r}; use an int in [{minimum}, {INT32_MAX}]")
@@ -94,10 +91,7 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)   # noqa: E731 - frozen dataclass
-        try:
-            windows = tuple(self.windows)
-        except TypeError:
-            windows = ()
+        windows = tuple(self.windows) if is_ordered(self.windows) else ()
         if not windows:
             _fail("windows", self.windows, "needs one entry per layer (None = full attention)")
         for i, w in enumerate(windows):

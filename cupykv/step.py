@@ -13,7 +13,7 @@ from typing import Hashable, List, Optional
 
 import numpy as np
 
-from .errors import InvalidRequestError, StepOrderError
+from .errors import InvalidRequestError, StepOrderError, UnknownDeviceError
 
 
 class StepOutputs:
@@ -187,7 +187,8 @@ class Step:
     def on(self, rank: int) -> DeviceStep:
         """The step on one device: rank is the device's position in KVCacheManager(devices=...)."""
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < len(self.parts):
-            raise IndexError(f"step {self.id}: rank={rank!r}; the manager has {len(self.parts)} device(s)")
+            raise UnknownDeviceError(f"step {self.id}: rank={rank!r}; the manager has {len(self.parts)} device(s) "
+                                     f"(rank: an int in [0, {len(self.parts)}))")
         return DeviceStep(self, self.parts[int(rank)])
 
     @property

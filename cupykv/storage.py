@@ -45,7 +45,10 @@ def resolve_dtype(dtype, xp=np) -> np.dtype:
     """'float16' | 'bfloat16' | 'float32' (or a numpy dtype) -> the numpy dtype `xp` arrays are made of.
 
     bfloat16 is ml_dtypes.bfloat16 (CuPy >= 14 accepts it when ml_dtypes is installed)."""
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except (TypeError, ValueError):
+        raise StorageDtypeError(f"storage dtype {dtype!r}: must be one of {DTYPES}") from None
     if name not in DTYPES:
         raise StorageDtypeError(f"storage dtype {dtype!r}: must be one of {DTYPES}")
     if name != "bfloat16":
@@ -145,7 +148,8 @@ class KVStorage:
             from .backends import make_backend
             backend = make_backend(backend)         # a name, or an object checked as the manager checks it
         else:
-            raise TypeError(f"KVStorage needs a KVCacheManager or a Layout, got {type(manager_or_layout).__name__}")
+            raise InvalidRequestError(f"KVStorage needs a KVCacheManager or a Layout, got "
+                                      f"{type(manager_or_layout).__name__}")
         self.backend = backend
         self.xp = backend.xp
         spec = self.layout.spec

@@ -346,9 +346,29 @@ def test_finish_on_something_that_is_not_a_stream():
         expect_fail(mgr, cupykv.InvalidRequestError, ["finish(stream=", "not a stream of the host backend"],
                     lambda: step.finish(bad))
         assert not step.is_finished()
+    other = make_mgr()           # its streams are drained by its own synchronize, not this manager's
+    expect_fail(mgr, cupykv.InvalidRequestError, ["finish(stream=", "not a stream of the host backend"],
+                lambda: step.finish(other.backend.new_stream()))
     step.finish(mgr.backend.new_stream())
     mgr.settle(step)
     run_step(mgr, generation=["A"])
+
+
+def test_csr_buffers_of_another_device_are_named_so():
+    from cupykv.interop import CsrBuffers, csr_views
+    mgr = KVCacheManager(make_mgr().spec, backend="host", devices=[0, 1])
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    expect_fail(mgr, cupykv.InvalidRequestError, ["device 0's", "device 1's", "rank=1"],
+                lambda: csr_views(step.on(1), 0, buffers=CsrBuffers(mgr, rank=0)))
+    expect_fail(mgr, cupykv.InvalidRequestError, ["another manager"],
+                lambda: csr_views(step.on(1), 0, buffers=CsrBuffers(KVCacheManager(mgr.spec, backend="host"))))
+    csr_views(step.on(1), 0, buffers=CsrBuffers(mgr, rank=1))
+    for bad in (None, mgr.spec):
+        with pytest.raises(cupykv.InvalidRequestError, match="CsrBuffers needs the KVCacheManager"):
+            CsrBuffers(bad)
+    with pytest.raises(StepOrderError, match="finish_on_torch: step=None is not a Step"):
+        cupykv.interop.finish_on_torch(None)
 
 
 def test_steps_past_max_in_flight_wait_for_the_oldest():
@@ -621,6 +641,11 @@ def test_malformed_batch_arguments():
     expect_fail(mgr, CupykvError, ["generation", "set", "batch order"], lambda: mgr.prepare_batch(generation={"A"}))
     expect_fail(mgr, CupykvError, ["generation", "dict"], lambda: mgr.prepare_batch(generation={"A": 1}))
     expect_fail(mgr, CupykvError, ["contexts", "5"], lambda: mgr.prepare_batch(contexts=5))
+    # 0-d arrays iterate as nothing or not at all; a set of pairs has no batch order
+    expect_fail(mgr, CupykvError, ["generation", "array(0)"], lambda: mgr.prepare_batch(generation=np.array(0)))
+    expect_fail(mgr, CupykvError, ["generation", "array(5)"], lambda: mgr.prepare_batch(generation=np.array(5)))
+    expect_fail(mgr, CupykvError, ["contexts", "array(0)"], lambda: mgr.prepare_batch(contexts=np.array(0)))
+    expect_fail(mgr, CupykvError, ["contexts"], lambda: mgr.prepare_batch(contexts={("B", 16)}))
     expect_fail(mgr, CupykvError, ["context", "7"], lambda: mgr.prepare_batch(contexts=[7]))
     expect_fail(mgr, CupykvError, ["'B'", str(BIG)], lambda: mgr.prepare_batch(contexts={"B": BIG}))
     expect_fail(mgr, CupykvError, ["'B'", str(BIG)], lambda: mgr.prepare_batch(contexts=[("B", BIG)]))
@@ -638,6 +663,7 @@ def test_malformed_settle_arguments():
     step = mgr.prepare_batch(generation=["A"], num_gen_tokens=2)
     step.finish()
     expect_fail(mgr, CupykvError, ["accepted", "5"], lambda: mgr.settle(step, 5))
+    expect_fail(mgr, CupykvError, ["accepted", "batch order"], lambda: mgr.settle(step, {1}))
     expect_fail(mgr, CupykvError, ["'A'", "accepted", str(BIG)], lambda: mgr.settle(step, {"A": BIG}))
     expect_fail(mgr, CupykvError, ["accepted"], lambda: mgr.settle(step, [BIG]))
     expect_fail(mgr, CupykvError, ["'A'", "accepted", "True"], lambda: mgr.settle(step, {"A": True}))
@@ -648,7 +674,32 @@ def test_malformed_settle_arguments():
     run_step(mgr, generation=["A"])
 
 
-@pytest.mark.parametrize("option,value", [("max_steps_in_flight", 0), ("max_steps_in_flight", -3),
+@pytest.mark.parametrize("field,value", [("windows", {W: 0, None: 1}), ("sink_tokens", {0: 0, 1: 0, 2: 0}),
+                                         ("slots_per_group", {64, 32}), ("windows", np.array(W))])
+def test_a_mapping_or_set_is_not_a_spec_sequence(field, value):
+    """A dict would give its keys, a set its own order: neither is one entry per layer or group."""
+    with pytest.raises(InvalidSpecError, match=field):
+        CacheSpec(**dict(SPEC, **{field: value}))
+
+
+@pytest.mark.parametrize("devices", [np.array(0), {0: "a", 1: "b"}, {0, 1}])
+def test_devices_must_be_a_list(devices):
+    with pytest.raises(InvalidSpecError, match="devices"):
+        KVCacheManager(make_mgr().spec, backend="host", devices=devices)
+
+
+@pytest.mark.parametrize("rank", [2, -1, "0", 1.0, None, True])
+def test_a_rank_the_manager_does_not_have(rank):
+    mgr = KVCacheManager(make_mgr().spec, backend="host", devices=[0, 1])
+    mgr.add("A", 4)
+    step = mgr.prepare_batch({"A": 4})
+    with pytest.raises(cupykv.UnknownDeviceError, match="2 device") as ei:
+        step.on(rank)
+    assert isinstance(ei.value, IndexError)
+
+
+@pytest.mark.parametrize("option,value", [("staging", np.array(["snapshot"])), ("staging", None),
+                                          ("max_steps_in_flight", 0), ("max_steps_in_flight", -3),
                                           ("max_steps_in_flight", 1.5), ("max_steps_in_flight", True),
                                           ("staging_timeout_s", -1), ("staging_timeout_s", "10"),
                                           ("use_graphs", "no"), ("use_graphs", 1), ("debug_verify_mirror", "no"),

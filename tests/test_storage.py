@@ -228,6 +228,18 @@ def test_storage_dtype_errors(monkeypatch):
     assert isinstance(info.value, cupykv.CupykvError) and isinstance(info.value, TypeError)
 
 
+@pytest.mark.parametrize("dtype", [5, [1], "float64"])
+def test_storage_dtype_that_is_not_one(dtype):
+    with pytest.raises(StorageDtypeError, match="storage dtype"):
+        KVStorage(make_mgr("host", "shared"), dtype=dtype)
+
+
+@pytest.mark.parametrize("owner", [None, "manager", 0])
+def test_storage_needs_a_manager_or_a_layout(owner):
+    with pytest.raises(cupykv.InvalidRequestError, match="KVCacheManager or a Layout"):
+        KVStorage(owner)
+
+
 def test_storage_write_validation():
     mgr = make_mgr("host", "shared")
     st = KVStorage(mgr)

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from ..args import is_ordered
 from ..errors import BackendUnavailableError, InvalidSpecError
 
 
@@ -80,7 +81,7 @@ def _device_ids(devices) -> Optional[List[int]]:
     """devices as a list of non-negative ints (numpy ints too); None stays None."""
     if devices is None:
         return None
-    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+    if not is_ordered(devices):
         raise InvalidSpecError(f"devices={devices!r}: must be a list of device ids, e.g. [0, 1]")
     ids = list(devices)
     if not ids:

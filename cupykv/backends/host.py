@@ -130,8 +130,9 @@ class HostBackend:
 
     # streams and events
     def is_stream(self, obj) -> bool:
-        """Whether obj is a stream this backend can enqueue on: a simulated stream of its device."""
-        return isinstance(obj, SimStream) and obj.device_id == self.device_id
+        """Whether obj is a stream this backend can enqueue on: a simulated stream of its device (one that
+        this backend's synchronize drains)."""
+        return isinstance(obj, SimStream) and obj.device is self.device and obj.device_id == self.device_id
 
     def new_stream(self, name: str = "stream") -> SimStream:
         return SimStream(self.device, name, self.device_id)
