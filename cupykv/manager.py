@@ -367,7 +367,7 @@ class KVCacheManager:
         cap = reqs.cap[gen_rows]
         end = cap + k
         # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room).
-        in_room = not ctx_rows and gen is not None and gen.has_room(k, reqs.cap_writes)
+        in_room = gen is not None and gen.tracks_room and not ctx_rows and gen.has_room(k, reqs.cap_writes)
         if not in_room and len(end) and end.max() > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
@@ -389,7 +389,7 @@ class KVCacheManager:
                 new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
             else:               # most decode steps open no block: skip the gathers
                 new_rows = new_blocks = NO_INDEX
-            if not ctx_rows and gen is not None and gen.tracks_room:
+            if gen is not None and gen.tracks_room and not ctx_rows:
                 room = min(int(g.block_room(end).min()), spec.max_seq_len - int(end.max()))
                 worked_out = True
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
