@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from profile_manager import stub_device_work
+from profile_manager import prefilled_manager, stub_device_work
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -34,17 +34,7 @@ def load(tree: pathlib.Path, name: str):
 
 
 def prefilled(kv, batch: int, backend: str):
-    spec = kv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
-                        max_seq_len=32768, max_batch=batch, slots_per_group=[max(batch * 8, 1024), batch * 1100],
-                        max_step_tokens=1 << 22)
-    mgr = kv.KVCacheManager(spec, backend=backend)
-    rng = np.random.default_rng(0)
-    for r in range(batch):
-        mgr.add(r, int(rng.integers(8192, 30000)))
-        s = mgr.prepare_batch({r: mgr.request(r).prompt_len})
-        s.finish()
-        mgr.settle(s)
-        mgr.synchronize()
+    mgr = prefilled_manager(batch, backend, kv)
     if backend == "host":
         stub_device_work(mgr.backend)
     return mgr
@@ -81,7 +71,7 @@ def main():
                     times[label][1].append(settle)
         print(f"batch {batch}, {backend} backend, steps in turn, each waited for: medians of {steps}")
         for label, (prepare, settle) in times.items():
-            print(f"  {label:12s} prepare_batch {np.median(prepare) * 1e6:6.1f} us   settle {np.median(settle) * 1e6:6.1f} us")
+            print(f"  {label:18s} prepare_batch {np.median(prepare) * 1e6:6.1f} us   settle {np.median(settle) * 1e6:6.1f} us")
 
 
 if __name__ == "__main__":

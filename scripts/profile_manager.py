@@ -27,13 +27,14 @@ class _DoneEvent:
         pass
 
 
-def prefilled_manager(batch: int = 256, backend: str = "host") -> cupykv.KVCacheManager:
+def prefilled_manager(batch: int = 256, backend: str = "host", kv=cupykv) -> cupykv.KVCacheManager:
     """A GPT-OSS-120B-shaped manager (32k) with `batch` requests prefilled to 8k-30k tokens (the window
-    group has room for one whole prompt: its prefill holds every block until it settles)."""
-    spec = cupykv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
-                            max_seq_len=32768, max_batch=batch, slots_per_group=[max(batch * 8, 1024), batch * 1100],
-                            max_step_tokens=1 << 22)
-    mgr = cupykv.KVCacheManager(spec, backend=backend)
+    group has room for one whole prompt: its prefill holds every block until it settles). kv: the cupykv
+    package to make it with (scripts/ab_in_process.py loads two)."""
+    spec = kv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
+                        max_seq_len=32768, max_batch=batch, slots_per_group=[max(batch * 8, 1024), batch * 1100],
+                        max_step_tokens=1 << 22)
+    mgr = kv.KVCacheManager(spec, backend=backend)
     rng = np.random.default_rng(0)
     for r in range(batch):
         mgr.add(r, int(rng.integers(8192, 30000)))
