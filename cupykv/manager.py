@@ -393,7 +393,16 @@ class KVCacheManager:
                 room = min(int(g.block_room(end).min()), spec.max_seq_len - int(end.max()))
                 worked_out = True
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
-            self._check_slots([len(new_rows) + chunks.count for chunks in ctx_slots])
+            need = [len(new_rows) + chunks.count for chunks in ctx_slots]
+            for p, pool in enumerate(self.pools):
+                # the free list alone answers the common case; available() also counts lifted quarantine
+                if need[p] > pool.num_available and need[p] > ledger.available(p):
+                    ledger.wait_for_slots(p, need[p])
+                    if need[p] > ledger.available(p):
+                        raise OutOfSlotsError(
+                            f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
+                            f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined "
+                            "by unfinished steps")
         if ledger.num_steps_in_flight() >= self.max_steps_in_flight:
             # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
             # when waited on): wait for them as for slots, and fail only if they do not complete in time
@@ -408,20 +417,6 @@ class KVCacheManager:
                                most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
                      gen, cap, end, new_rows, new_blocks, room, worked_out, k, M, pad_to, self.pipeline.acquire(words))
-
-    def _check_slots(self, need: List[int]) -> None:
-        """Every group has need[p] slots for the step (waiting for quarantine to lift where that covers it),
-        or OutOfSlotsError."""
-        lay, ledger = self.layout, self.ledger
-        for p, pool in enumerate(self.pools):
-            # the free list alone answers the common case; available() also counts lifted quarantine
-            if need[p] > pool.num_available and need[p] > ledger.available(p):
-                ledger.wait_for_slots(p, need[p])
-                if need[p] > ledger.available(p):
-                    raise OutOfSlotsError(
-                        f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                        f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined by "
-                        "unfinished steps")
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import operator
 import struct
-from itertools import accumulate, compress
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -185,11 +184,12 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
              scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
     # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
     # of the concatenation, whose cost grows with the number of arrays more than with their data.
-    sizes = [a.size for a in sections]
-    offsets = list(accumulate(sizes, initial=HEADER_WORDS))
-    pos = offsets.pop()
-    words += offsets
-    pieces = list(compress(sections, sizes))
+    pieces, pos = [], HEADER_WORDS
+    for a in sections:
+        words.append(pos)
+        if a.size:
+            pieces.append(a)
+            pos += a.size
     # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
     # list assigned to a slice is one, with a conversion per item) costs more than the data.
     _HEADER.pack_into(buf, 0, *_HEADER_ORDER(words))
