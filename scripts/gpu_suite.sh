@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [footprint]
+# [profile] [ab] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [footprint]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -113,7 +113,17 @@ for part in $parts; do
       cat "$OUT/snapshot_probe.log" "$OUT/graph_params_probe.log" ;;
     conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
       run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
-    profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice;
+    ab)   # this tree's decode steps and each AB_TREES tree's in turn in one process (scripts/ab_in_process.py),
+          # CUDA then the host backend; AB_BATCHES: the batch sizes (default 1 256)
+      for tree in ${AB_TREES:-old_tree}; do
+        [ -d "$tree/cupykv" ] || continue
+        for be in cuda host; do
+          timeout 200 python3 scripts/ab_in_process.py "$tree" ${AB_BATCHES:-1 256} --backend $be >>"$OUT/ab.log" 2>&1
+        done
+      done
+      cat "$OUT/ab.log" ;;
+    profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice (separate processes,
+                  # whose speeds differ: ab compares trees in one process);
                   # AB_BATCHES: the batch sizes (default 256)
       for i in 1 2; do
         each_tree profile_ab.log "run $i" timeout 120 python3 scripts/host_calls.py ${AB_BATCHES:-256}
