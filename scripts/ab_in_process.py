@@ -1,6 +1,8 @@
 """Two trees' decode steps side by side in one process, step by step in turn.
 
     PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE [batch ...] [--backend cuda|host] [--steps N]
+    PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE --workload [--contexts 8] [--seq 131072] [...]
+    PYTHONPATH=. python scripts/ab_in_process.py --shared --workload [--contexts 8] [...]
 
 The host's speed differs from process to process by up to 1.6x (the same tree in two processes of one
 device call: docs/host_profile.md), more than most changes to a step move it, so comparing trees in
@@ -9,8 +11,13 @@ cupykv/ package, e.g. an untracked copy of an older commit) are loaded under two
 process; each gets a manager prefilled as profile_manager.prefilled_manager does, and their decode steps
 (the previous step's batch, one token each) alternate, each step waited for. Prints the medians of
 prepare_batch and settle per tree; on the host backend the queued device work is a no-op
-(profile_manager.stub_device_work).
+(profile_manager.stub_device_work). --workload: the benchmark's steps instead (bench.workload.Workload:
+GPT-OSS-120B at --seq tokens, batch 256, requests finishing and arriving; with --contexts N its "ctx"
+steps, N requests prefilling in chunks of 8192; one plan per step applied to both managers), with the
+frees and adds (the schedule) timed too. --shared: this tree's PER_LAYER and SHARED managers instead of
+two trees.
 """
+import dataclasses
 import importlib.util
 import pathlib
 import sys
@@ -40,9 +47,9 @@ def prefilled(kv, batch: int, backend: str):
     return mgr
 
 
-def step(mgr, rids, wait: bool):
+def step(mgr, rids, wait: bool, contexts=()):
     t0 = time.perf_counter()
-    s = mgr.prepare_batch((), rids)
+    s = mgr.prepare_batch(contexts, rids)
     t1 = time.perf_counter()
     if wait:
         s.ready.synchronize()
@@ -52,13 +59,62 @@ def step(mgr, rids, wait: bool):
     return t1 - t0, time.perf_counter() - t2
 
 
+def workload_steps(trees: dict, seq: int, contexts: int, steps: int, backend: str, shared: bool) -> None:
+    """The benchmark's workload (bench.workload.Workload) on two managers, step by step in turn: its "ctx"
+    steps with `contexts` > 0, else its decode steps (churn and steady in turn). shared: this tree's
+    PER_LAYER and SHARED managers (the Workload's own pair); else both trees' PER_LAYER ones."""
+    kvs = list(trees.values())
+    if backend == "host":        # before any manager exists: the setup's prefills would build 128k tables
+        for kv in kvs:
+            stub_device_work(importlib.import_module(kv.__name__ + ".backends.host").HostBackend)
+    wl_mod = importlib.import_module(kvs[0].__name__ + ".bench.workload")
+    st = wl_mod.Settings(shapes=["gpt-oss-120b"], seqs=[seq], batches=[256], contexts=[contexts], steps=steps,
+                         warmup=20, backend=backend)
+    wl = wl_mod.Workload(wl_mod.SHAPES["gpt-oss-120b"], seq, 256, contexts, st, np.random.default_rng(0),
+                         shared=shared)
+    if shared:
+        labels = ["per_layer", "shared"]
+    else:
+        fields = {f.name: getattr(wl.spec, f.name) for f in dataclasses.fields(wl.spec) if f.init}
+        wl.managers.append(kvs[1].KVCacheManager(kvs[1].CacheSpec(**fields), backend=backend))
+        labels = list(trees)
+    wl.setup_decode()
+    if contexts:
+        wl.setup_contexts(contexts)
+    by_id = {id(mgr): label for mgr, label in zip(wl.managers, labels)}
+    times = {}          # (case, label) -> (schedule, prepare, settle) seconds
+    for i in range(steps + 20):
+        plan = wl.plan_ctx() if contexts else wl.plan_decode_only(wl.pre_churn_decode_only(i))
+        # (the decode workload alternates churn and steady steps: the order flips every two steps)
+        for mgr in (wl.managers if (i // 2) % 2 else wl.managers[::-1]):
+            t0 = time.perf_counter()
+            wl.apply(mgr, plan)
+            t1 = time.perf_counter()
+            prepare, settle = step(mgr, plan.generation, backend == "cuda", plan.contexts)
+            if i >= 20:
+                for series, value in zip(times.setdefault((plan.case, by_id[id(mgr)]), ([], [], [])),
+                                         (t1 - t0, prepare, settle)):
+                    series.append(value)
+    print(f"the benchmark's workload (GPT-OSS-120B, {seq}, b256, {contexts} context chunks), {backend} backend, "
+          f"the two managers in turn, each step waited for: medians")
+    for (case, label), (sched, prepare, settle) in sorted(times.items()):
+        print(f"  {case:7s} {label:18s} schedule {np.median(sched) * 1e6:6.1f} us   prepare_batch "
+              f"{np.median(prepare) * 1e6:6.1f} us   settle {np.median(settle) * 1e6:6.1f} us   ({len(prepare)} steps)")
+
+
 def main():
     args = [a for a in sys.argv[1:]]
-    backend = args[args.index("--backend") + 1] if "--backend" in args else "cuda"
-    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 400
+    option = lambda name, default: type(default)(args[args.index(name) + 1]) if name in args else default  # noqa: E731
+    backend, steps = option("--backend", "cuda"), option("--steps", 400)
     positional = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or not args[i - 1].startswith("--"))]
-    other, batches = pathlib.Path(positional[0]).resolve(), [int(b) for b in positional[1:]] or [1, 256]
-    trees = {"this tree": load(ROOT, "kv_this"), other.name: load(other, "kv_other")}
+    trees = {"this tree": load(ROOT, "kv_this")}
+    if "--shared" not in args:
+        other = pathlib.Path(positional.pop(0)).resolve()
+        trees[other.name] = load(other, "kv_other")
+    if "--workload" in args:
+        workload_steps(trees, option("--seq", 131072), option("--contexts", 0), steps, backend, "--shared" in args)
+        return
+    batches = [int(b) for b in positional] or [1, 256]
     for batch in batches:
         managers = {label: prefilled(kv, batch, backend) for label, kv in trees.items()}
         rids = list(range(batch))
