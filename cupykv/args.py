@@ -6,7 +6,6 @@ int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edg
 """
 from __future__ import annotations
 
-from collections.abc import Set
 from typing import Iterable, Mapping, Optional, Sequence, Type
 
 import numpy as np
@@ -21,8 +20,9 @@ def is_count(value) -> bool:
 
 def is_ordered(value) -> bool:
     """Items in an order of their own: an iterable that is not a str or bytes, a set or a mapping (whose
-    order would be theirs, or keys), or a numpy array of other than one dimension."""
-    if isinstance(value, (str, bytes, Set, Mapping)) or not isinstance(value, Iterable):
+    order would be theirs, or keys), or a numpy array of other than one dimension. (A dict's keys() and
+    items() views keep the dict's order: they count as ordered.)"""
+    if isinstance(value, (str, bytes, set, frozenset, Mapping)) or not isinstance(value, Iterable):
         return False
     return getattr(value, "ndim", 1) == 1
 
@@ -75,7 +75,7 @@ def request_ids(generation) -> list:
     """prepare_batch's generation list (any iterable of ids, or a numpy array) as a list of its own."""
     if type(generation) is list or type(generation) is tuple:      # before the slower ABC checks
         return list(generation)
-    if isinstance(generation, (Set, Mapping)):       # the batch order would be theirs, or keys
+    if isinstance(generation, (set, frozenset, Mapping)):       # the batch order would be theirs, or keys
         raise InvalidRequestError(f"generation={generation!r}: a {type(generation).__name__} is not a batch order; "
                                   "pass a list of request ids (num_gen_tokens= gives the tokens of each)")
     if not is_ordered(generation):

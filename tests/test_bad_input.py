@@ -657,6 +657,18 @@ def test_malformed_batch_arguments():
     run_step(mgr, contexts={"B": 16}, generation=["A"])
 
 
+def test_dict_views_are_batch_orders():
+    """A dict's keys() and items() keep its order: they are accepted where a list is (and a set is not)."""
+    mgr = make_mgr()
+    prefilled(mgr, "A", 20)
+    mgr.add("B", 40)
+    step = mgr.prepare_batch(contexts={"B": 16}.items(), generation={"A": None}.keys())
+    assert step.request_ids == ["B", "A"]
+    step.finish()
+    mgr.settle(step, {"B": 16, "A": 1}.values())
+    assert (mgr.request("A").history, mgr.request("B").history) == (21, 16)
+
+
 def test_malformed_settle_arguments():
     mgr = make_mgr()
     prefilled(mgr, "A", 20)
