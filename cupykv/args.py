@@ -6,7 +6,7 @@ int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edg
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence, Type
+from typing import Mapping, Optional, Sequence, Type
 
 import numpy as np
 
@@ -22,9 +22,13 @@ def is_ordered(value) -> bool:
     """Items in an order of their own: an iterable that is not a str or bytes, a set or a mapping (whose
     order would be theirs, or keys), or a numpy array of other than one dimension. (A dict's keys() and
     items() views keep the dict's order: they count as ordered.)"""
-    if isinstance(value, (str, bytes, set, frozenset, Mapping)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes, set, frozenset, Mapping)) or getattr(value, "ndim", 1) != 1:
         return False
-    return getattr(value, "ndim", 1) == 1
+    try:
+        iter(value)             # (also a sequence with only __getitem__ and __len__)
+    except TypeError:
+        return False
+    return True
 
 
 def as_count(value, what: str, *, minimum: int = 0, maximum: Optional[int] = None,

@@ -94,7 +94,6 @@ class _Plan:
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
     gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
-    room_worked_out: bool              # from the capacities (not the room before less k)
     k: int
     scratch_width: int
     pad_to: int
@@ -366,8 +365,11 @@ class KVCacheManager:
                                       f"{spec.max_batch}] (the step's entries, max_batch)")
         cap = reqs.cap[gen_rows]
         end = cap + k
-        # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room).
-        in_room = gen is not None and gen.tracks_room and not ctx_rows and gen.has_room(k, reqs.cap_writes)
+        # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room). A batch whose
+        # entries take a block's worth of tokens a step or more nearly always has one at a block's end, and so
+        # no room: only smaller ones keep it (working it out costs a few numpy operations).
+        keeps_room = gen is not None and not ctx_rows and len(gen_rows) * k < lay.tpb
+        in_room = keeps_room and gen.has_room(k, reqs.cap_writes)
         if not in_room and len(end) and end.max() > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
@@ -376,7 +378,7 @@ class KVCacheManager:
         if total_tokens > spec.step_token_capacity:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
-        room, worked_out = -1, False
+        room = -1
         if in_room:
             new_rows = new_blocks = NO_INDEX
             room = gen.room - k
@@ -389,9 +391,8 @@ class KVCacheManager:
                 new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
             else:               # most decode steps open no block: skip the gathers
                 new_rows = new_blocks = NO_INDEX
-            if gen is not None and gen.tracks_room and not ctx_rows:
+            if keeps_room:
                 room = min(int(g.block_room(end).min()), spec.max_seq_len - int(end.max()))
-                worked_out = True
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
             need = [len(new_rows) + chunks.count for chunks in ctx_slots]
             for p, pool in enumerate(self.pools):
@@ -416,7 +417,7 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
                                most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
-                     gen, cap, end, new_rows, new_blocks, room, worked_out, k, M, pad_to, self.pipeline.acquire(words))
+                     gen, cap, end, new_rows, new_blocks, room, k, M, pad_to, self.pipeline.acquire(words))
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -431,7 +432,7 @@ class KVCacheManager:
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
             reqs.set_capacity(rows, plan.gen_end)          # = starts + tokens, already computed by the plan
             if plan.gen_room >= 0:
-                gen.keep_room(plan.gen_room, reqs.cap_writes, plan.room_worked_out)
+                gen.keep_room(plan.gen_room, reqs.cap_writes)
         else:
             gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))

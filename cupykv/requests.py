@@ -88,7 +88,7 @@ class GenBatch:
     any other capacity write (a rewind, a step of another list) leaves it stale until one works it out again.
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "room_at", "tracks_room")
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "room_at")
 
     def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
         self.ids = ids
@@ -98,9 +98,6 @@ class GenBatch:
         self.moves = moves
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
         self.room, self.room_at = 0, -1
-        # Working the room out costs a few numpy operations: worth it while it comes out positive (a large
-        # batch nearly always has an entry at a block's end, and so no room).
-        self.tracks_room = True
 
     def matches(self, ids: List[RequestId], moves: int) -> bool:
         """Equal ids hash equal (Python's rule for dict keys), so with no move since, an equal list maps
@@ -116,12 +113,10 @@ class GenBatch:
         """Whether k more tokens for every entry open no block and pass no max_seq_len (see room)."""
         return self.room_at == cap_writes and k <= self.room
 
-    def keep_room(self, room: int, cap_writes: int, worked_out: bool) -> None:
+    def keep_room(self, room: int, cap_writes: int) -> None:
         """After a decode step of this list (the capacity write cap_writes): its room, worked out from the
-        capacities (worked_out) or the room before less the step's tokens."""
+        capacities or the room before less the step's tokens."""
         self.room, self.room_at = room, cap_writes
-        if worked_out and room == 0:
-            self.tracks_room = False
 
     def tokens_for(self, k: int) -> np.ndarray:
         if k != self.k:

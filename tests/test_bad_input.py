@@ -657,6 +657,27 @@ def test_malformed_batch_arguments():
     run_step(mgr, contexts={"B": 16}, generation=["A"])
 
 
+class _OldStyleSequence:
+    """A sequence with only __getitem__ and __len__ (iter() takes it, through the sequence protocol)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def test_an_old_style_sequence_is_a_spec_sequence_and_a_batch_order():
+    spec = CacheSpec(**dict(SPEC, windows=_OldStyleSequence(SPEC["windows"]), slots_per_group=_OldStyleSequence([64] * 2)))
+    assert spec.windows == tuple(SPEC["windows"]) and spec.slots_per_group == (64, 64)
+    mgr = KVCacheManager(spec, backend="host")
+    mgr.add("A", 16)
+    assert mgr.prepare_batch(_OldStyleSequence([("A", 16)]), _OldStyleSequence([])).request_ids == ["A"]
+
+
 def test_dict_views_are_batch_orders():
     """A dict's keys() and items() keep its order: they are accepted where a list is (and a set is not)."""
     mgr = make_mgr()
