@@ -171,7 +171,7 @@ class CsrBuffers:
         be, spec = mirror.backend, manager.spec
         B = manager.layout.max_blocks
         self.outputs = mirror.outputs         # the step outputs these buffers serve (csr_views checks)
-        self.rank, self.all_outputs = rank, [m.outputs for m in manager.pipeline.mirrors]
+        self.rank, self.owner = rank, manager
         self.indptr = be.device_full((spec.max_batch + 1,), 0, np.int32)
         self.indices = be.device_full((spec.max_batch * B + 1,), BAD, np.int32)
         self.last_page_len = be.device_full((spec.max_batch,), 0, np.int32)
@@ -306,8 +306,8 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     last_host = ((seq_lens - 1) % tpb + 1).astype(np.int32)
     if buffers is not None:
         if buffers.outputs is not step.outputs:
-            if any(out is step.outputs for out in buffers.all_outputs):
-                rank = buffers.all_outputs.index(step.outputs)
+            if step.owner is buffers.owner:
+                rank = getattr(step, "rank", 0)
                 raise InvalidRequestError(f"csr_views: these buffers are device {buffers.rank}'s and the step is "
                                           f"device {rank}'s: use CsrBuffers(manager, rank={rank})")
             raise InvalidRequestError("csr_views: buffers belong to another manager")

@@ -370,7 +370,8 @@ class KVCacheManager:
         # no room: only smaller ones keep it (working it out costs a few numpy operations).
         keeps_room = gen is not None and not ctx_rows and len(gen_rows) * k < lay.tpb
         in_room = keeps_room and gen.has_room(k, reqs.cap_writes)
-        if not in_room and len(end) and end.max() > spec.max_seq_len:
+        longest = int(end.max()) if not in_room and len(end) else 0     # (the room needs it too)
+        if longest > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
                                         f"max_seq_len={spec.max_seq_len}")
@@ -392,7 +393,7 @@ class KVCacheManager:
             else:               # most decode steps open no block: skip the gathers
                 new_rows = new_blocks = NO_INDEX
             if keeps_room:
-                room = min(int(g.block_room(end).min()), spec.max_seq_len - int(end.max()))
+                room = min(int(g.block_room(end).min()), spec.max_seq_len - longest)
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
             need = [len(new_rows) + chunks.count for chunks in ctx_slots]
             for p, pool in enumerate(self.pools):

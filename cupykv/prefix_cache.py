@@ -226,22 +226,24 @@ class PrefixCache:
         if self.retention == "all":
             return
         for g in self._windowed:
-            by_hash, kept = self.by_hash[g.index], self.kept[g.index]
-            for b in np.flatnonzero(table[g.index, row, :len(seq.hashes)] != BAD).tolist():
-                if seq.hashes[b] in by_hash:
-                    kept.add(seq.hashes[b])
+            held = np.flatnonzero(table[g.index, row, :len(seq.hashes)] != BAD).tolist()
+            self._mark(g.index, [seq.hashes[b] for b in held])
 
     def _retain(self, seq: CachedSeq, lo: Sequence[int], hi: int, ranges=None) -> None:
         """Mark kept the cached blocks of [lo[p], hi) of the request that lie in its retained ranges (or in
         `ranges`, per group), in every sliding-window group."""
         if self.retention == "all":
             return
+        top = min(hi, len(seq.hashes))
         for g in self._windowed:
-            by_hash, kept, start = self.by_hash[g.index], self.kept[g.index], lo[g.index]
-            for a, b in (self._ranges(seq, g) if ranges is None else ranges[g.index]):
-                for blk in range(max(a, start), min(b, hi, len(seq.hashes))):
-                    if seq.hashes[blk] in by_hash:
-                        kept.add(seq.hashes[blk])
+            start = lo[g.index]
+            self._mark(g.index, [seq.hashes[blk] for a, b in (self._ranges(seq, g) if ranges is None else ranges[g.index])
+                                 for blk in range(max(a, start), min(b, top))])
+
+    def _mark(self, p: int, hashes: List[bytes]) -> None:
+        """Mark kept those of these hashes that group p caches."""
+        by_hash = self.by_hash[p]
+        self.kept[p].update(h for h in hashes if h in by_hash)
 
     def _extend(self, seq: CachedSeq, tokens: List[int]) -> None:
         """Accepted generation tokens of a request whose tokens are all known, in order: the blocks they
