@@ -3,8 +3,8 @@
 Importing cupykv creates no stream, event, pinned buffer or device array, and works without CuPy.
 """
 from .errors import (BackendUnavailableError, CapacityExceededError, CupykvError, DuplicateRequestError,
-                     InvalidRequestError, InvalidSpecError, OutOfSlotsError, StagingExhaustedError,
-                     StepOrderError, UnknownDeviceError, UnknownRequestError)
+                     InvalidRequestError, InvalidSpecError, OutOfSlotsError, SpecTooLargeError,
+                     StagingExhaustedError, StepOrderError, UnknownDeviceError, UnknownRequestError)
 from .layout import BAD, Layout, LayerGroup
 from .manager import KVCacheManager, Request
 from .step import Step
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
-    "CupykvError", "InvalidSpecError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
+    "CupykvError", "InvalidSpecError", "SpecTooLargeError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
     "UnknownDeviceError", "BackendUnavailableError", "HostTierFullError", "InteropUnavailableError", "StorageDtypeError",
 ]

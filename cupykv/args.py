@@ -1,8 +1,8 @@
 """Argument normalisation at the API edge.
 
-Every count a user passes (a Python int or any numpy integer, never a bool) becomes a Python int here,
-before any arithmetic: numpy integers keep their dtype through arithmetic, so `np.uint64(1)` turns an
-int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edge sees a numpy scalar.
+Every count a user passes (a Python int, any numpy integer or a 0-d numpy integer array, never a bool)
+becomes a Python int here, before any arithmetic: numpy integers keep their dtype through arithmetic, so
+`np.uint64(1)` turns an int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edge sees a numpy scalar.
 """
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from .errors import CupykvError, InvalidRequestError, UnknownRequestError
 
 
 def is_count(value) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """A Python or numpy integer (a 0-d numpy integer array too: numpy returns them), not a bool."""
+    if isinstance(value, (int, np.integer)):
+        return not isinstance(value, (bool, np.bool_))
+    return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu"
 
 
 def is_ordered(value) -> bool:

@@ -14,6 +14,11 @@ class InvalidSpecError(CupykvError, ValueError):
     """A CacheSpec field (or a manager option) has a bad value; the message names the field."""
 
 
+class SpecTooLargeError(InvalidSpecError, MemoryError):
+    """The buffers a CacheSpec sizes (the page table, the outputs, the write positions, the snapshot ring)
+    do not fit in this machine's host or device memory; the message names the fields that size them."""
+
+
 class UnknownRequestError(CupykvError, KeyError):
     """A request id that the manager does not hold."""
 

@@ -22,7 +22,7 @@ from .allocator import CachingSlotPool, SlotPool
 from .args import accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
-                     OutOfSlotsError, StepOrderError)
+                     OutOfSlotsError, SpecTooLargeError, StepOrderError)
 from .entries import most_rebuilt
 from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
@@ -153,16 +153,24 @@ class KVCacheManager:
         if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
                                    f"at most 2^31 - 1 (lower max_batch or max_seq_len)")
-        self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n) for n in lay.allocatable_slots]
-        self.cache = PrefixCache(lay, self.pools, spec.prefix_retention) if spec.prefix_caching else None
-        self.page_table = PageTable(be, P, rows, B)
-        self.ledger = StepLedger(self.pools, float(staging_timeout_s))
-        self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
-                                     lambda: self.ledger.unsettled)
-        options = dict(ring_slots=ring_slots, max_ring_slots=max_ring_slots, timeout_s=float(staging_timeout_s),
-                       use_graphs=use_graphs, steady_batch_delta=steady_batch_delta)
-        self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if staging == "unsafe"
-                         else StepPipeline(lay, self.backends, **options))
+        try:
+            self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n)
+                          for n in lay.allocatable_slots]
+            self.cache = PrefixCache(lay, self.pools, spec.prefix_retention) if spec.prefix_caching else None
+            self.page_table = PageTable(be, P, rows, B)
+            self.ledger = StepLedger(self.pools, float(staging_timeout_s))
+            self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
+                                         lambda: self.ledger.unsettled)
+            options = dict(ring_slots=ring_slots, max_ring_slots=max_ring_slots,
+                           timeout_s=float(staging_timeout_s), use_graphs=use_graphs,
+                           steady_batch_delta=steady_batch_delta)
+            self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if staging == "unsafe"
+                             else StepPipeline(lay, self.backends, **options))
+        except MemoryError as e:
+            raise SpecTooLargeError(
+                f"the buffers this CacheSpec sizes do not fit ({e}): the page table and the outputs grow with "
+                f"max_batch={spec.max_batch} x max_seq_len={spec.max_seq_len} / tokens_per_block, the write "
+                f"positions with num_layers={spec.num_layers} x max_step_tokens={spec.step_token_capacity}") from e
         self._windowed = [g for g in lay.groups if not g.keeps_every_block]
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self.residence = Residence(self)

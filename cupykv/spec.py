@@ -66,7 +66,7 @@ class CacheSpec:
     prefix_retention: which out-of-window blocks of sliding-window groups stay cached: "boundaries"
         (the windows of the prompt end, chunk ends, checkpoints and the request's end) or "all".
 
-    Counts may be Python or numpy integers (never bools or floats); the spec holds them as Python ints,
+    Counts may be Python or numpy integers, or 0-d numpy integer arrays (never bools or floats); the spec holds them as Python ints,
     and windows, and sink_tokens and slots_per_group given per layer or group, as tuples of them.
     """
 
@@ -120,6 +120,9 @@ class CacheSpec:
         put("max_rewind", _count("max_rewind", self.max_rewind, 0))
         if self.max_step_tokens is not None:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
+            if self.max_step_tokens > self.max_batch * self.max_seq_len:      # it sizes buffers [L, max_step_tokens]
+                _fail("max_step_tokens", self.max_step_tokens, f"is more than a step can schedule (max_batch x "
+                      f"max_seq_len = {self.max_batch * self.max_seq_len})")
         _choice("table_mode", self.table_mode, TABLE_MODES)
         for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):

@@ -568,7 +568,12 @@ def run_twins(ref, got, I):
     check_invariants(got)
 
 
-@pytest.mark.parametrize("int_type", NUMPY_INTS, ids=lambda t: t.__name__)
+def zero_d(n):
+    """n as a 0-d numpy integer array (what np.asarray(n) and some reductions return)."""
+    return np.array(n, np.uint16)
+
+
+@pytest.mark.parametrize("int_type", NUMPY_INTS + (zero_d,), ids=lambda t: t.__name__)
 def test_numpy_integer_counts_give_the_same_state_as_python_ints(int_type):
     run_twins(make_mgr(), make_mgr(), int_type)
 
@@ -615,7 +620,8 @@ def test_numpy_num_gen_tokens_times_batch_is_not_wrapped(int_type):
 
 @pytest.mark.parametrize("field,value", [("tokens_per_block", np.int64(16)), ("max_rewind", np.int8(2)),
                                          ("max_seq_len", np.int16(32767)), ("max_batch", np.int8(4)),
-                                         ("slots_per_group", np.uint16(64)), ("num_kv_heads", np.uint8(2))],
+                                         ("slots_per_group", np.uint16(64)), ("num_kv_heads", np.uint8(2)),
+                                         ("head_dim", np.array(8))],
                          ids=lambda v: v if isinstance(v, str) else type(v).__name__)
 def test_numpy_spec_fields_build_the_same_manager(field, value):
     """Spec fields as numpy integers once broke KVCacheManager() (AttributeError, OverflowError,
@@ -770,6 +776,31 @@ def test_spec_counts_past_int32_are_refused(kw, needles):
     with pytest.raises(InvalidSpecError) as ei:
         CacheSpec(**dict(SPEC, **kw))
     for needle in needles:
+        assert needle in str(ei.value), (needle, str(ei.value))
+
+
+def test_max_step_tokens_past_what_a_step_can_schedule_is_refused():
+    """max_step_tokens sizes buffers of num_layers x max_step_tokens; 2^31 - 1 once allocated 16 GiB for a
+    spec whose steps schedule at most max_batch x max_seq_len = 1024 tokens (and was killed filling it)."""
+    most = SPEC["max_batch"] * SPEC["max_seq_len"]
+    with pytest.raises(InvalidSpecError, match=f"max_step_tokens={2 ** 31 - 1}.*{most}"):
+        CacheSpec(**dict(SPEC, max_step_tokens=2 ** 31 - 1))
+    with pytest.raises(InvalidSpecError, match=f"max_step_tokens={most + 1}"):
+        CacheSpec(**dict(SPEC, max_step_tokens=np.int64(most + 1)))
+    assert CacheSpec(**dict(SPEC, max_step_tokens=most)).step_token_capacity == most
+
+
+def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
+    """A spec whose buffers the machine cannot hold raises SpecTooLargeError (a MemoryError too) naming the
+    fields that size them, not numpy's bare MemoryError (the allocation failure is injected: a real one
+    would take this machine's memory)."""
+    def no_memory(self, words):
+        raise MemoryError(f"Unable to allocate {words * 4} bytes")
+    monkeypatch.setattr(cupykv.backends.host.HostBackend, "pinned_empty", no_memory)
+    with pytest.raises(cupykv.SpecTooLargeError) as ei:
+        KVCacheManager(CacheSpec(**SPEC), backend="host")
+    assert isinstance(ei.value, MemoryError) and isinstance(ei.value, InvalidSpecError)
+    for needle in ("Unable to allocate", "max_batch=4", "max_seq_len=256", "max_step_tokens="):
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
