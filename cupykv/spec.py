@@ -120,9 +120,6 @@ class CacheSpec:
         put("max_rewind", _count("max_rewind", self.max_rewind, 0))
         if self.max_step_tokens is not None:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
-            if self.max_step_tokens > self.max_batch * self.max_seq_len:      # it sizes buffers [L, max_step_tokens]
-                _fail("max_step_tokens", self.max_step_tokens, f"is more than a step can schedule (max_batch x "
-                      f"max_seq_len = {self.max_batch * self.max_seq_len})")
         _choice("table_mode", self.table_mode, TABLE_MODES)
         for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):

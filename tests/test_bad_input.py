@@ -1,6 +1,8 @@
 """Every bad call raises its specific error, names the bad thing, leaves mgr.state() unchanged, and the
 manager keeps working afterwards (DESIGN.md section 6: check first, then mutate). Valid calls work with
 any integer type: numpy integers give the same state as Python ints."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ import cupykv
 from cupykv import (BAD, CacheSpec, CapacityExceededError, CupykvError, DuplicateRequestError,
                     InvalidRequestError, InvalidSpecError, KVCacheManager, OutOfSlotsError, StepOrderError,
                     UnknownRequestError)
+from conftest import backend_or_skip
 from oracle import Geometry, check_slots, expected_tables
 
 TPB, W = 16, 32
@@ -779,17 +782,6 @@ def test_spec_counts_past_int32_are_refused(kw, needles):
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
-def test_max_step_tokens_past_what_a_step_can_schedule_is_refused():
-    """max_step_tokens sizes buffers of num_layers x max_step_tokens; 2^31 - 1 once allocated 16 GiB for a
-    spec whose steps schedule at most max_batch x max_seq_len = 1024 tokens (and was killed filling it)."""
-    most = SPEC["max_batch"] * SPEC["max_seq_len"]
-    with pytest.raises(InvalidSpecError, match=f"max_step_tokens={2 ** 31 - 1}.*{most}"):
-        CacheSpec(**dict(SPEC, max_step_tokens=2 ** 31 - 1))
-    with pytest.raises(InvalidSpecError, match=f"max_step_tokens={most + 1}"):
-        CacheSpec(**dict(SPEC, max_step_tokens=np.int64(most + 1)))
-    assert CacheSpec(**dict(SPEC, max_step_tokens=most)).step_token_capacity == most
-
-
 def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
     """A spec whose buffers the machine cannot hold raises SpecTooLargeError (a MemoryError too) naming the
     fields that size them, not numpy's bare MemoryError (the allocation failure is injected: a real one
@@ -802,6 +794,34 @@ def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
     assert isinstance(ei.value, MemoryError) and isinstance(ei.value, InvalidSpecError)
     for needle in ("Unable to allocate", "max_batch=4", "max_seq_len=256", "max_step_tokens="):
         assert needle in str(ei.value), (needle, str(ei.value))
+
+
+def test_cuda_buffers_past_the_gpu_raise_a_spec_error():
+    """On the GPU: write positions of 128 layers x (2^31 - 1) tokens (1 TiB) do not fit an H200; the
+    manager raises SpecTooLargeError and leaves nothing allocated (a usual manager runs after it). Pinning
+    more host memory than there is raises a MemoryError too (CUDA reports it as a runtime error)."""
+    backend_or_skip("cuda")
+    import cupy
+    from cupykv.backends.cuda import CudaBackend
+    spec = CacheSpec(windows=[None] * 128, num_kv_heads=1, head_dim=8, tokens_per_block=32, max_batch=2 ** 16,
+                     max_seq_len=2 ** 15, slots_per_group=64, table_mode="shared", max_step_tokens=2 ** 31 - 1)
+    with pytest.raises(cupykv.SpecTooLargeError) as ei:
+        KVCacheManager(spec, backend="cuda")
+    assert isinstance(ei.value, MemoryError) and "max_step_tokens=2147483647" in str(ei.value), str(ei.value)
+    with pytest.raises(MemoryError, match="cannot pin"):
+        CudaBackend().pinned_empty(2 ** 42)
+    # The failed manager's buffers are freed here, not by a later collection: freeing pinned memory waits
+    # for the device, which a later test's gate holds (test_devices timed out on it).
+    del ei
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    mgr = KVCacheManager(CacheSpec(**SPEC), backend="cuda")
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    step.finish()
+    mgr.settle(step)
+    assert mgr.request("A").history == 20
 
 
 def test_page_indices_past_int32_are_refused():

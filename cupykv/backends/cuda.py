@@ -494,6 +494,20 @@ def _require_device(arr, name: str, align: int = 4) -> None:
         raise ValueError(f"{name}: the kernels need {align}-byte alignment; got pointer {arr.data.ptr:#x}")
 
 
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2       # cudaErrorMemoryAllocation (CUDA's driver_types.h)
+
+
+def _zeros_pinned(count: int, dtype) -> np.ndarray:
+    """cupyx.zeros_pinned, with a failure to pin the memory raised as the MemoryError it is (CUDA reports
+    it as a runtime error), as a device allocation that does not fit is."""
+    try:
+        return cupyx.zeros_pinned(count, dtype)
+    except runtime.CUDARuntimeError as e:
+        if e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+            raise
+        raise MemoryError(f"cannot pin {count * np.dtype(dtype).itemsize} bytes of host memory ({e})") from e
+
 class CudaBackend:
     """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
 
@@ -593,7 +607,7 @@ class CudaBackend:
     def pinned_empty(self, words: int) -> np.ndarray:
         """A zeroed pinned int32 buffer. The caller must keep it alive as long as copies may read it:
         CuPy's pinned pool hands a dropped block to the next allocation at once."""
-        return cupyx.zeros_pinned(words, np.int32)
+        return _zeros_pinned(words, np.int32)
 
     def pinned_temp(self, words: int) -> np.ndarray:
         """A fresh pinned buffer from CuPy's pool (only for the documented unsafe staging mode)."""
@@ -643,7 +657,7 @@ class CudaBackend:
 
     def pinned_bytes(self, nbytes: int) -> np.ndarray:
         """A zeroed pinned uint8 buffer, kept by the caller for as long as copies may touch it."""
-        return cupyx.zeros_pinned(nbytes, np.uint8)
+        return _zeros_pinned(nbytes, np.uint8)
 
     def copy_bytes(self, dst, src, stream: cupy.cuda.Stream) -> None:
         """Copy contiguous `src` into contiguous `dst` (equal nbytes; pinned host or device arrays, either
