@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
-    "CupykvError", "InvalidSpecError", "SpecTooLargeError", "UnknownRequestError", "DuplicateRequestError", "InvalidRequestError",
+    "CupykvError", "InvalidSpecError", "SpecTooLargeError", "UnknownRequestError", "DuplicateRequestError",
+    "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",
     "UnknownDeviceError", "BackendUnavailableError", "HostTierFullError", "InteropUnavailableError", "StorageDtypeError",
 ]

@@ -2,7 +2,8 @@
 
 Every count a user passes (a Python int, any numpy integer or a 0-d numpy integer array, never a bool)
 becomes a Python int here, before any arithmetic: numpy integers keep their dtype through arithmetic, so
-`np.uint64(1)` turns an int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edge sees a numpy scalar.
+`np.uint64(1)` turns an int64 sum into float64 and `np.int16(200) * 200` wraps. Nothing past the API edge
+sees a numpy scalar.
 """
 from __future__ import annotations
 

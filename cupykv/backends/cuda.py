@@ -494,7 +494,6 @@ def _require_device(arr, name: str, align: int = 4) -> None:
         raise ValueError(f"{name}: the kernels need {align}-byte alignment; got pointer {arr.data.ptr:#x}")
 
 
-
 _CUDA_ERROR_MEMORY_ALLOCATION = 2       # cudaErrorMemoryAllocation (CUDA's driver_types.h)
 
 
@@ -507,6 +506,7 @@ def _zeros_pinned(count: int, dtype) -> np.ndarray:
         if e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
             raise
         raise MemoryError(f"cannot pin {count * np.dtype(dtype).itemsize} bytes of host memory ({e})") from e
+
 
 class CudaBackend:
     """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
