@@ -66,8 +66,9 @@ class CacheSpec:
     prefix_retention: which out-of-window blocks of sliding-window groups stay cached: "boundaries"
         (the windows of the prompt end, chunk ends, checkpoints and the request's end) or "all".
 
-    Counts may be Python or numpy integers, or 0-d numpy integer arrays (never bools or floats); the spec holds them as Python ints,
-    and windows, and sink_tokens and slots_per_group given per layer or group, as tuples of them.
+    Counts may be Python or numpy integers, or 0-d numpy integer arrays (never bools or floats); the spec
+    holds them as Python ints, and windows, and sink_tokens and slots_per_group given per layer or group, as
+    tuples of them.
     """
 
     windows: Sequence[Optional[int]]

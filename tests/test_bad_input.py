@@ -798,7 +798,7 @@ def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
 
 def test_cuda_buffers_past_the_gpu_raise_a_spec_error():
     """On the GPU: write positions of 128 layers x (2^31 - 1) tokens (1 TiB) do not fit an H200; the
-    manager raises SpecTooLargeError and leaves nothing allocated (a usual manager runs after it). Pinning
+    manager raises SpecTooLargeError, and a manager of the usual size runs after it. Pinning
     more host memory than there is raises a MemoryError too (CUDA reports it as a runtime error)."""
     backend_or_skip("cuda")
     from cupykv.backends.cuda import CudaBackend
