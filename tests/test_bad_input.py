@@ -1,7 +1,8 @@
 """Every bad call raises its specific error, names the bad thing, leaves mgr.state() unchanged, and the
 manager keeps working afterwards (DESIGN.md section 6: check first, then mutate). Valid calls work with
 any integer type: numpy integers give the same state as Python ints."""
-import gc
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -796,28 +797,38 @@ def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
+_TOO_LARGE_ON_THE_GPU = """
+import pytest
+import cupykv
+from cupykv import CacheSpec, KVCacheManager
+from cupykv.backends.cuda import CudaBackend
+spec = CacheSpec(windows=[None] * 128, num_kv_heads=1, head_dim=8, tokens_per_block=32, max_batch=2 ** 16,
+                 max_seq_len=2 ** 15, slots_per_group=64, table_mode="shared", max_step_tokens=2 ** 31 - 1)
+with pytest.raises(cupykv.SpecTooLargeError) as ei:
+    KVCacheManager(spec, backend="cuda")
+assert isinstance(ei.value, MemoryError) and "max_step_tokens=2147483647" in str(ei.value), str(ei.value)
+with pytest.raises(MemoryError, match="cannot pin"):
+    CudaBackend().pinned_empty(2 ** 42)
+mgr = KVCacheManager(CacheSpec(**SPEC), backend="cuda")
+mgr.add("A", 20)
+step = mgr.prepare_batch({"A": 20})
+step.finish()
+mgr.settle(step)
+assert mgr.request("A").history == 20
+print("ok")
+"""
+
+
 def test_cuda_buffers_past_the_gpu_raise_a_spec_error():
     """On the GPU: write positions of 128 layers x (2^31 - 1) tokens (1 TiB) do not fit an H200; the
-    manager raises SpecTooLargeError, and a manager of the usual size runs after it. Pinning
-    more host memory than there is raises a MemoryError too (CUDA reports it as a runtime error)."""
+    manager raises SpecTooLargeError, and a manager of the usual size runs after it. Pinning more host
+    memory than there is raises a MemoryError too (CUDA reports it as a runtime error). In a process of its
+    own: CuPy empties its memory pools when an allocation fails, after which the gated tests of
+    test_devices.py have timed out on their gates in the same process."""
     backend_or_skip("cuda")
-    from cupykv.backends.cuda import CudaBackend
-    spec = CacheSpec(windows=[None] * 128, num_kv_heads=1, head_dim=8, tokens_per_block=32, max_batch=2 ** 16,
-                     max_seq_len=2 ** 15, slots_per_group=64, table_mode="shared", max_step_tokens=2 ** 31 - 1)
-    with pytest.raises(cupykv.SpecTooLargeError) as ei:
-        KVCacheManager(spec, backend="cuda")
-    assert isinstance(ei.value, MemoryError) and "max_step_tokens=2147483647" in str(ei.value), str(ei.value)
-    with pytest.raises(MemoryError, match="cannot pin"):
-        CudaBackend().pinned_empty(2 ** 42)
-    # The failed manager's buffers go back to CuPy's pools here, not in a later test's collection.
-    del ei
-    gc.collect()
-    mgr = KVCacheManager(CacheSpec(**SPEC), backend="cuda")
-    mgr.add("A", 20)
-    step = mgr.prepare_batch({"A": 20})
-    step.finish()
-    mgr.settle(step)
-    assert mgr.request("A").history == 20
+    done = subprocess.run([sys.executable, "-c", f"SPEC = {SPEC!r}\n" + _TOO_LARGE_ON_THE_GPU],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_page_indices_past_int32_are_refused():
