@@ -80,7 +80,7 @@ class SlotPool:
     def _push_free(self, slots: np.ndarray) -> None:
         # released lowest-first ends up on top in ascending order, so reuse stays deterministic. The
         # quarantine owns these arrays (see release). A freed request's slots come in long ascending runs
-        # (allocated from the stack in order): timsort takes 2 us for 4k of them, quicksort 40.
+        # (allocated from the stack in order), which a stable sort (timsort) merges instead of re-sorting.
         slots.sort(kind="stable")
         self._stack[self._top:self._top + len(slots)] = slots[::-1]
         self._top += len(slots)

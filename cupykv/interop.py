@@ -21,7 +21,7 @@ the host backend has no torch stream to record on: it finishes on the manager st
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -33,7 +33,12 @@ from .step import DeviceStep, Step
 
 def cupy_stream(stream):
     """A CuPy stream object for a torch.cuda.Stream (or any object with .cuda_stream, or a CuPy stream)."""
-    from .backends.cuda import cupy_stream as convert     # CuPy is imported only when a stream is given
+    try:
+        from .backends.cuda import cupy_stream as convert     # CuPy is imported only when a stream is given
+    except ImportError as exc:
+        raise InteropUnavailableError(
+            "cupykv.interop.cupy_stream needs CuPy, and it is not installed (pip install -e \".[cuda12]\" or "
+            "\".[cuda13]\", as the README's install does)") from exc
     return convert(stream)
 
 
@@ -42,7 +47,7 @@ __all__ = ["InteropUnavailableError", "to_torch", "tables_to_torch", "write_posi
 
 
 class InteropUnavailableError(CupykvError, ImportError):
-    """An interop function needs a package that is not installed (torch)."""
+    """An interop function needs a package that is not installed (torch; CuPy for cupy_stream)."""
 
 
 def _torch():
@@ -51,7 +56,7 @@ def _torch():
     except ImportError as exc:
         raise InteropUnavailableError(
             "cupykv.interop needs PyTorch, and the 'torch' package is not installed (pip install torch, or "
-            "pip install cupykv[torch]); the rest of cupykv works without it") from exc
+            "pip install -e \".[torch]\" in a cupykv checkout); the rest of cupykv works without it") from exc
     return torch
 
 
@@ -105,16 +110,37 @@ def to_torch(array, step_or_event, stream=None):
     return _export(torch, array)
 
 
-def tables_to_torch(step, stream=None):
+def _step_of(step, what: str):
+    """The Step or DeviceStep a function was given, else StepOrderError naming it."""
+    if not isinstance(step, (Step, DeviceStep)):
+        raise StepOrderError(f"{what}: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
+    return step
+
+
+def _open_step(step, what: str):
+    """_step_of, and the step's buffers may still be read (DeviceStep.check_open: the latest prepared step,
+    not finished on that device); a Step of several devices is checked on device 0, whose buffers
+    step.tables and step.write_pages are."""
+    _step_of(step, what)
+    (step if isinstance(step, DeviceStep) else step.on(0)).check_open(what)
+    return step
+
+
+def tables_to_torch(step: Union[Step, DeviceStep], stream=None):
     """The step's output tables as an int32 tensor ([L, max_batch, 2, B] PER_LAYER, [P, ...] SHARED; rows
-    < step.num_seqs are this step's), ordered after step.ready on `stream`."""
-    return to_torch(step.tables, step, stream)
+    < step.num_seqs are this step's), ordered after step.ready on `stream`. The step must be the latest
+    prepared and not finished (StepOrderError otherwise: its buffers hold, or may soon hold, a later
+    step's tables)."""
+    return to_torch(_open_step(step, "tables_to_torch").tables, step, stream)
 
 
-def write_positions_to_torch(step, stream=None, trim: bool = True) -> Tuple[object, object]:
+def write_positions_to_torch(step: Union[Step, DeviceStep], stream=None,
+                             trim: bool = True) -> Tuple[object, object]:
     """(pages [L, n], offsets [n]) int32 tensors: K page index of each new token per layer (V = K + 1) and
     its position in the page, batch order; n = sum(step.num_tokens). trim=False gives the full fixed-address
-    buffers ([L, max_step_tokens], [max_step_tokens]; the first n entries valid)."""
+    buffers ([L, max_step_tokens], [max_step_tokens]; the first n entries valid). The step must be open,
+    as for tables_to_torch."""
+    _open_step(step, "write_positions_to_torch")
     pages, offsets = step.write_pages, step.write_offsets
     if trim:
         n = int(np.sum(step.num_tokens))
@@ -138,8 +164,7 @@ def finish_on_torch(step, stream=None) -> None:
     """step.finish() recorded on a torch stream (default: torch's current stream on the step's device): the
     consumer's last read of the step's buffers is enqueued there. With several devices pass step.on(rank)
     (a stream belongs to one device)."""
-    if not isinstance(step, (Step, DeviceStep)):
-        raise StepOrderError(f"finish_on_torch: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
+    _step_of(step, "finish_on_torch")
     if len(getattr(step, "parts", ())) > 1 and not hasattr(step, "rank"):
         raise StepOrderError(f"step {step.id} runs on {len(step.parts)} devices: finish each with "
                              "finish_on_torch(step.on(rank), stream)")
@@ -276,11 +301,10 @@ def csr_views(step, group: Optional[int] = None, *, layer: Optional[int] = None,
     """
     if (group is None) == (layer is None):
         raise InvalidRequestError("csr_views: give exactly one of group= or layer=")
-    if not isinstance(step, (Step, DeviceStep)):
-        raise StepOrderError(f"csr_views: step={step!r} is not a Step (prepare_batch's result, or step.on(rank))")
+    _step_of(step, "csr_views")
     if buffers is not None and not isinstance(buffers, CsrBuffers):
         raise InvalidRequestError(f"csr_views: buffers={buffers!r} must be a CsrBuffers (or None)")
-    (step if isinstance(step, DeviceStep) else step.on(0)).check_open("csr_views")
+    _open_step(step, "csr_views")
     lay, be = step.layout, step.backend
     shared = lay.spec.table_mode == "shared"
     if layer is not None:

@@ -11,9 +11,13 @@ import numpy as np
 
 from .errors import InvalidSpecError
 from .groups import LayerGroup, cdiv, make_group
-from .spec import CacheSpec
+from .spec import INT32_MAX, CacheSpec
 
 BAD = -1
+# Blocks per 16-byte access of a table row (one int4: the kernels' loads and stores of table cells); every
+# row holds a multiple of this many blocks, so each such access is aligned.
+QUAD_BLOCKS = 4
+
 # An empty int64 index array (no cells, no rows, no entries), shared by every path with nothing to index,
 # so read-only.
 NO_INDEX = np.empty(0, np.int64)
@@ -28,7 +32,7 @@ class Layout:
             raise InvalidSpecError(f"Layout(spec={spec!r}): needs a cupykv.CacheSpec")
         self.spec = spec
         self.tpb = spec.tokens_per_block
-        self.max_blocks = cdiv(cdiv(spec.max_seq_len + spec.max_rewind + 1, self.tpb), 4) * 4
+        self.max_blocks = cdiv(cdiv(spec.max_seq_len + spec.max_rewind + 1, self.tpb), QUAD_BLOCKS) * QUAD_BLOCKS
         by_key: dict = {}
         sinks = spec.sinks_per_layer()
         for layer, window in enumerate(spec.windows_tuple):
@@ -53,10 +57,10 @@ class Layout:
         self.group_scale = np.array([g.scale for g in self.groups], np.int32)
         self.slots_per_group = self._slots_per_group()
         for g, n in zip(self.groups, self.slots_per_group):
-            if n * g.scale > 2 ** 31:     # page indices (slot * scale + the layer's page) are int32
+            if n * g.scale > INT32_MAX + 1:     # page indices (slot * scale + the layer's page) are int32
                 raise InvalidSpecError(f"CacheSpec: group {g.index} ({len(g.layers)} layers, {g.scale} pages a slot) "
                                        f"has {n} slots, {n * g.scale} pages; int32 page indices allow at most "
-                                       f"{2 ** 31 // g.scale} slots")
+                                       f"{(INT32_MAX + 1) // g.scale} slots")
         if spec.null_slot and min(self.slots_per_group) < 2:
             raise InvalidSpecError(f"CacheSpec.null_slot=True: every group needs 2 slots or more (one is the "
                                    f"null slot); slots per group: {self.slots_per_group}")
@@ -77,7 +81,8 @@ class Layout:
         """PER_LAYER page index of (slot, layer, role)."""
         return slot * int(self.group_scale[self.layer_group[layer]]) + self.layer_offset(layer, role)
 
-    # The block rules live on the groups; these spell them the way the rest of the code reads them.
+    # The block rules live on the groups (the manager and the prefix cache call them there); these forward
+    # to them for code that holds a Layout and a group (the benchmark's workload, the tests).
     def sink_blocks(self, group: LayerGroup) -> int:
         return group.sink_blocks
 

@@ -30,7 +30,7 @@ from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache
 from .residence import Residence
 from .requests import GenBatch, Request, RequestId, RequestTable, frozen
-from .spec import CacheSpec
+from .spec import INT32_MAX, CacheSpec
 from .staging import snapshot_words
 from .step import DeviceStep, Step
 from .table import PageTable
@@ -150,7 +150,7 @@ class KVCacheManager:
         self.staging = staging
         self.debug_verify_mirror = debug_verify_mirror
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
-        if P * rows * B >= 2 ** 31:     # the snapshot ships flat table indices as int32
+        if P * rows * B > INT32_MAX:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
                                    f"at most 2^31 - 1 (lower max_batch or max_seq_len)")
         try:
@@ -593,7 +593,7 @@ class KVCacheManager:
         step release anything; stale_done starts at the sink blocks."""
         for g in self._windowed:
             end = g.stale_end(hist)
-            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: 3x cheaper)
+            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: cheaper than a 2-D one)
             done = stale_done[rows]
             moved = (end > done).nonzero()[0]
             if len(moved):
@@ -633,7 +633,7 @@ class KVCacheManager:
     # -- completion --------------------------------------------------------------------------------
     def reclaim(self, wait: bool = False) -> None:
         """Lift the quarantine of steps that have finished; with wait=True, wait for all finish events."""
-        if wait:
+        if as_flag(wait, "reclaim: wait"):
             self.ledger.wait_all()
         self.ledger.poll()
 

@@ -180,7 +180,7 @@ class StepPipeline:
         for m, twin, part in zip(self.mirrors, slot.twins, step.parts):
             plan = m.plan(twin)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
-            # the kernels would cost the GPU about a microsecond per step, and the slot is reused only later).
+            # the kernels would cost the GPU time every step, and the slot is reused only later).
             try:
                 part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries,
                                                     tokens, graph)

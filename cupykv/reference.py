@@ -1,4 +1,5 @@
-"""The NumPy reference of the conversion contract (DESIGN.md section 3, and the null slot of section 10).
+"""The NumPy reference of the conversion contract (docs/design.md, "The conversion contract"; the null slot
+as the README's "Reading the tables" states it).
 
 Written straight from the contract, for clarity, not speed. It is the oracle that every other
 implementation (the host backend's emulated kernels, the CUDA RawKernels) must match bit for bit.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-BAD = -1
+BAD = -1        # the contract's value, stated here again: the oracle imports nothing of the implementation
 
 
 def _bad_page(null_slots, p: int, scale: int, offset: int) -> int:

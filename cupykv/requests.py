@@ -5,7 +5,7 @@ handful of numpy operations rather than a Python loop. A row's incarnation count
 can tell whether the request it scheduled in a row is still the one there.
 
 One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
-free). Everything cached about rows compares it: the validated generation list, and settle's "every
+free), or suspends or resumes it (set_suspended). Everything cached about rows compares it: the validated generation list, and settle's "every
 entry of the step is still live" shortcut. Another, `cap_writes`, is bumped by every write of a capacity
 (set_capacity, its one writer): the validated list's room (GenBatch.room) compares it.
 """

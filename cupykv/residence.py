@@ -8,14 +8,12 @@ schedules the request wait for the copy back.
 """
 from __future__ import annotations
 
-from typing import Hashable, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
 from .errors import InvalidRequestError, OutOfSlotsError, StepOrderError
-from .requests import Request
-
-RequestId = Hashable
+from .requests import Request, RequestId
 
 
 class Residence:

@@ -4,9 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-import numpy as np
-
-from .args import as_count, is_count, is_ordered
+from .args import as_count, as_flag, is_count, is_ordered
 from .errors import InvalidSpecError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -123,9 +121,7 @@ class CacheSpec:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
         _choice("table_mode", self.table_mode, TABLE_MODES)
         for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                _fail(name, getattr(self, name), "must be a bool")
-            put(name, bool(getattr(self, name)))
+            put(name, as_flag(getattr(self, name), f"CacheSpec.{name}", InvalidSpecError))
         _choice("prefix_retention", self.prefix_retention, PREFIX_RETENTIONS)
         if self.table_mode == "shared" and self.swa_scratch_reuse and any(w is not None for w in windows):
             _fail("swa_scratch_reuse", self.swa_scratch_reuse,

@@ -1,7 +1,8 @@
 """Snapshot packing and the pinned snapshot ring.
 
-A step's asynchronous host inputs travel to the device as one int32 snapshot, laid out as below, copied
-with one H2D copy from a pinned ring slot. A ring slot is written again only after the event recorded
+A step's asynchronous host inputs travel to the device as one int32 snapshot, laid out as below, written
+into a pinned ring slot: the step kernel reads it from there over the bus, or a small one travels in the
+launch's parameters (pipeline.py's docstring draws both). A ring slot is written again only after the event recorded
 after its last copy has completed, and a slot's pinned buffer is dropped only then (when the slot grows:
 SnapshotRing._fit): CuPy's pinned pool would hand a dropped buffer to the next allocation while its copy
 may still be pending. A grown slot's device buffers are retired, not dropped (kernels may still read them).
@@ -43,7 +44,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from .errors import StagingExhaustedError
-from .layout import BAD, NO_INDEX
+from .layout import BAD, NO_INDEX, QUAD_BLOCKS
 
 H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
 H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF = range(6, 12)
@@ -61,10 +62,11 @@ MODE_FULL, MODE_DELTA = 0, 1
 
 def kernel_constants() -> Dict[str, int]:
     """The snapshot layout as the step kernels see it: every header word index (H_*), HEADER_WORDS,
-    MODE_FULL / MODE_DELTA and BAD, by name. This module (and layout.py for BAD) is their only definition."""
+    MODE_FULL / MODE_DELTA, BAD and QUAD_BLOCKS, by name. This module (and layout.py for BAD and QUAD_BLOCKS) is
+    their only definition."""
     header = sorted((value, name) for name, value in globals().items() if name.startswith("H_"))
     return {**{name: value for value, name in header}, "HEADER_WORDS": HEADER_WORDS,
-            "MODE_FULL": MODE_FULL, "MODE_DELTA": MODE_DELTA, "BAD": BAD}
+            "MODE_FULL": MODE_FULL, "MODE_DELTA": MODE_DELTA, "BAD": BAD, "QUAD_BLOCKS": QUAD_BLOCKS}
 
 
 def cuda_constants() -> str:

@@ -13,6 +13,7 @@ from typing import Hashable, List, Optional
 
 import numpy as np
 
+from .args import is_count
 from .errors import InvalidRequestError, StepOrderError, UnknownDeviceError
 
 
@@ -186,7 +187,7 @@ class Step:
 
     def on(self, rank: int) -> DeviceStep:
         """The step on one device: rank is the device's position in KVCacheManager(devices=...)."""
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < len(self.parts):
+        if not is_count(rank) or not 0 <= rank < len(self.parts):
             raise UnknownDeviceError(f"step {self.id}: rank={rank!r}; the manager has {len(self.parts)} device(s) "
                                      f"(rank: an int in [0, {len(self.parts)}))")
         return DeviceStep(self, self.parts[int(rank)])
@@ -233,8 +234,12 @@ class Step:
         if stream is not None and len(self.parts) > 1:
             raise StepOrderError(f"step {self.id} runs on {len(self.parts)} devices: finish each with "
                                  "step.on(rank).finish(stream)")
-        if any(part.finished is not None for part in self.parts):
+        done = [part.rank for part in self.parts if part.finished is not None]
+        if len(done) == len(self.parts):
             raise StepOrderError(f"step {self.id} was already finished")
+        if done:
+            raise StepOrderError(f"step {self.id} was already finished on device(s) {done}: finish the others "
+                                 f"with step.on(rank).finish(stream) (unfinished: {self.unfinished_ranks()})")
         for part in self.parts:
             DeviceStep(self, part).finish(stream)
 
@@ -258,7 +263,11 @@ class Step:
 
     def wait_finished(self, timeout: Optional[float] = None) -> bool:
         """Host wait for every device's recorded finish event; False when one did not complete in time, or
-        was never recorded (finish() not called on that device: nothing will complete)."""
+        was never recorded (finish() not called on that device: nothing will complete). timeout: seconds
+        (None: no limit)."""
+        seconds = isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool)
+        if timeout is not None and not (seconds and timeout >= 0):
+            raise InvalidRequestError(f"step {self.id}: wait_finished(timeout={timeout!r}): seconds >= 0, or None")
         for part in self.parts:
             if part.finished is None or not part.finished.wait(timeout):
                 return False

@@ -31,10 +31,10 @@ from .args import as_count
 from .errors import CupykvError, InvalidRequestError, InvalidSpecError, StepOrderError
 from .host_tier import HostTier
 from .layout import Layout
+from .spec import DTYPE_BYTES
 from .step import DeviceStep
 
-DTYPES = ("float16", "bfloat16", "float32")
-SOURCE_DTYPES = ("float16", "bfloat16", "float32")    # what write() takes for K and V
+DTYPES = tuple(DTYPE_BYTES)     # the spec's KV dtypes: what storage holds, and what write() takes for K and V
 
 
 class StorageDtypeError(CupykvError, TypeError):
@@ -387,9 +387,9 @@ class KVStorage:
 
     def _source_dtype(self, name: str, array) -> str:
         source = dtype_name(array)
-        if source not in SOURCE_DTYPES:
+        if source not in DTYPES:
             raise StorageDtypeError(f"KVStorage.write: {name} has dtype {source}; {self.dtype.name} storage takes "
-                                    f"{', '.join(SOURCE_DTYPES)}")
+                                    f"{', '.join(DTYPES)}")
         return source
 
     @staticmethod

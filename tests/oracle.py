@@ -1,9 +1,9 @@
 """The tests' oracle: what the manager must produce, worked out from the contract alone.
 
-Written from ../shared/DESIGN.md sections 2 (concepts) and 3 (the conversion contract), independent of
-the implementation: the layer groups, block counts and ranges are derived here from the spec's own
-fields (never from cupykv.layout), and only the conversion itself is delegated to cupykv.reference, the
-NumPy statement of section 3.
+Written from the contract as docs/design.md states it ("The conversion contract", "Ranges") and the
+README's "Concepts", independent of the implementation: the layer groups, block counts and ranges are
+derived here from the spec's own fields (never from cupykv.layout), and only the conversion itself is
+delegated to cupykv.reference, the NumPy statement of the conversion contract.
 
 - Geometry(spec): layer groups, scale and offsets, B, stale and scratch ranges, and which blocks of a
   sequence hold a slot of their own.
@@ -13,7 +13,7 @@ NumPy statement of section 3.
 - check_slots / check_stats / held_slots: slot conservation and reading a request's slots.
 - Capture: a consumer on its own stream that copies each step's tables (and write positions) out for a
   later comparison.
-- PrefixModel / PrefixModelled: the prefix cache of DESIGN.md section 8 (block identity by salt and token
+- PrefixModel / PrefixModelled: the prefix cache of docs/design.md's "Prefix caching" (block identity by salt and token
   prefix, reference counts, quarantine, LRU eviction, publishing, retention, hits), driven with a
   manager made with CacheSpec(prefix_caching=True) and checked against it after every call.
 """
@@ -37,7 +37,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Geometry: DESIGN.md section 2
+# Geometry: the README's "Concepts" and docs/design.md's "Ranges"
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Group:
@@ -119,7 +119,7 @@ class Geometry:
             blocks -= set(range(lo, hi))
         return blocks
 
-    # -- prefix caching: DESIGN.md section 8 --------------------------------------------------------
+    # -- prefix caching: docs/design.md's "Prefix caching" ---------------------------------------------
     def hit_needs(self, g, blocks: int) -> set:
         """Blocks of group g that a query at n = blocks * tpb sees, so a hit of that length needs them
         cached: all of [0, blocks) for full attention; the sinks and [max(sinks, (n + 1 - W) // tpb),
@@ -136,7 +136,7 @@ class Geometry:
 
 
 # --------------------------------------------------------------------------------------------------
-# Step outputs: DESIGN.md section 3
+# Step outputs: docs/design.md's "The conversion contract"
 # --------------------------------------------------------------------------------------------------
 def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None, scratch=None, *,
                      shared: Optional[bool] = None, fill: int = BAD, null_slots=None,
@@ -146,7 +146,8 @@ def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None
     table: [P, rows, B] base slots at the step's prepare; copy_idx: the table row of each batch entry;
     begs/ends [P, >= num_contexts] and scratch [P, >= num_contexts, M]: the contexts' scratch metadata.
     shared: SHARED tables (default: the spec's table_mode). null_slots: [P] null slot per group
-    (DESIGN.md section 10: BAD cells and padding rows hold its page), or None (BAD stays BAD).
+    (the README's "Reading the tables", null slot: BAD cells and padding rows hold its page), or None (BAD
+    stays BAD).
     pad_to: rows [num_seqs, pad_to) are padding rows.
     """
     geo = Geometry(spec)
@@ -165,7 +166,7 @@ def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None
 
 
 def null_slots(mgr) -> Optional[Tuple[int, ...]]:
-    """Each group's null slot (DESIGN.md section 10; CacheSpec(null_slot=True)), None without: the group's
+    """Each group's null slot (the README's "Reading the tables"; CacheSpec(null_slot=True)), None without: the group's
     last slot. The slot counts are the spec's slots_per_group; only a spec sized by memory_bytes takes
     them from the manager's layout (that split is sizing, not the contract)."""
     spec = mgr.spec
@@ -429,7 +430,7 @@ class Modelled:
 
 
 # --------------------------------------------------------------------------------------------------
-# Prefix caching: DESIGN.md section 8 (the rules are also in cupykv/prefix_cache.py's docstring)
+# Prefix caching: docs/design.md's "Prefix caching" (the rules are also in cupykv/prefix_cache.py's docstring)
 # --------------------------------------------------------------------------------------------------
 STORED, REMOVED = "stored", "removed"
 
@@ -477,7 +478,7 @@ class PrefixRequest(ModelRequest):
 
 
 class PrefixModel(Model):
-    """The prefix cache of DESIGN.md section 8 on top of Model, slot by slot, from the calls alone:
+    """The prefix cache of docs/design.md's "Prefix caching" on top of Model, slot by slot, from the calls alone:
 
     - a block's identity is its salt and token prefix (BlockIds); a group caches at most one slot per
       identity; `slot_of[g]` / `id_of[g]` are the cached (hashed) slots;

@@ -1,5 +1,5 @@
 """Every bad call raises its specific error, names the bad thing, leaves mgr.state() unchanged, and the
-manager keeps working afterwards (DESIGN.md section 6: check first, then mutate). Valid calls work with
+manager keeps working afterwards (docs/design.md's "Errors": check first, then mutate). Valid calls work with
 any integer type: numpy integers give the same state as Python ints."""
 import subprocess
 import sys
@@ -797,6 +797,28 @@ def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
+def test_host_buffers_past_the_machines_memory_raise_a_spec_error(monkeypatch):
+    """numpy hands out each large zeroed buffer without touching it, so buffers that together outgrow the
+    machine were all granted, and filling them got the process killed. The host backend counts them against
+    the memory the machine had when the manager was made: here a machine with room for the page table and
+    the mirror but not the outputs (a real one would take this machine's memory)."""
+    spec = CacheSpec(**SPEC)
+    probe = KVCacheManager(spec, backend="host")
+    table_bytes = probe.page_table.array.nbytes
+    monkeypatch.setattr(cupykv.backends.host, "available_memory_bytes", lambda: 2 * table_bytes + 4096)
+    with pytest.raises(cupykv.SpecTooLargeError) as ei:
+        KVCacheManager(spec, backend="host")
+    assert "this machine has" in str(ei.value) and "max_seq_len=256" in str(ei.value), str(ei.value)
+    monkeypatch.setattr(cupykv.backends.host, "available_memory_bytes", lambda: 64 * probe.backend.device.allocated)
+    mgr = KVCacheManager(spec, backend="host")         # fits: the same steps as a manager made without the count
+    for m in (probe, mgr):
+        m.add("A", 20)
+        step = m.prepare_batch({"A": 20})
+        step.finish()
+        m.settle(step)
+    assert mgr.state() == probe.state()
+
+
 _TOO_LARGE_ON_THE_GPU = """
 import pytest
 import cupykv
@@ -852,6 +874,52 @@ def test_settle_takes_the_step_not_a_device_view():
     step = mgr.prepare_batch({"A": 20})
     step.finish()
     expect_fail(mgr, StepOrderError, ["settle takes the Step", "step.on(0)"], lambda: mgr.settle(step.on(0)))
+    mgr.settle(step)
+
+
+@pytest.mark.parametrize("timeout", ["x", -1, True, float("nan"), [1]], ids=repr)
+def test_wait_finished_takes_seconds_or_none(timeout):
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    step.finish()
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        step.wait_finished(timeout)
+    assert step.wait_finished(np.float32(5)) is True and step.wait_finished(None) is True
+
+
+@pytest.mark.parametrize("wait", ["no", 1, None, np.array(True)], ids=repr)
+def test_reclaim_takes_only_a_bool(wait):
+    """A truthy string such as "no" must not make reclaim wait for every finish event."""
+    mgr = make_mgr()
+    mgr.add("A", 20)
+    mgr.prepare_batch({"A": 20})
+    expect_fail(mgr, InvalidRequestError, ["reclaim: wait", repr(wait)], lambda: mgr.reclaim(wait))
+
+
+def test_a_step_finished_on_some_devices_names_the_rest():
+    mgr = KVCacheManager(make_mgr().spec, backend="host", devices=[0, 1, 2])
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    step.on(1).finish()
+    with pytest.raises(StepOrderError, match=r"finished on device\(s\) \[1\].*unfinished: \[0, 2\]"):
+        step.finish()
+    step.on(0).finish()
+    step.on(2).finish()
+    with pytest.raises(StepOrderError, match="step 0 was already finished$"):
+        step.finish()
+    mgr.settle(step)
+
+
+def test_numpy_ranks_and_device_ids_work():
+    """Ranks and device ids are counts: numpy integers and 0-d integer arrays work as ints do."""
+    spec = make_mgr().spec
+    mgr = KVCacheManager(spec, backend="host", devices=[np.array(0), np.int64(1)])
+    assert mgr.devices == [0, 1]
+    mgr.add("A", 20)
+    step = mgr.prepare_batch({"A": 20})
+    assert step.on(np.array(1)) == step.on(1) and step.on(np.uint8(0)) == step.on(0)
+    step.finish()
     mgr.settle(step)
 
 

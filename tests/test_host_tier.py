@@ -1,4 +1,4 @@
-"""The host tier (DESIGN.md section 9): KVStorage(mgr, host_tier_bytes=N), suspend and resume.
+"""The host tier (docs/design.md's "Host tier"): KVStorage(mgr, host_tier_bytes=N), suspend and resume.
 
 Everything is checked against a toy model whose K/V of a token is a pure function of (token id,
 position, layer), so the KV a request must have is known without reading any page: after a round trip
@@ -645,7 +645,7 @@ def test_gated_copy_back_vs_consumer(backend_name, variant):
 
 def test_gated_free_before_copy_back(backend_name):
     """A resumed request freed before its copy back ran: its fresh slots may go to another request only
-    once that copy has completed (DESIGN.md 9: nobody writes a copy's destination until its event has
+    once that copy has completed (docs/design.md's "Host tier": nobody writes a copy's destination until its event has
     completed), or the late copy overwrites the new owner's KV."""
     rig = Rig(backend_name, slots=40)
     mgr, be = rig.mgr, rig.be
@@ -1119,7 +1119,7 @@ TestHostTierMachine = TierMachine.TestCase
 def test_gated_copy_out_of_prefix_hit_waits_for_its_writer(backend_name):
     """A request whose blocks came from a prefix-cache hit and that has no step of its own yet: its KV
     was written by the publishing request's step, whose consumer is still held. The D2H copy must wait
-    for that write too (DESIGN.md 9: copies ordered after the finish of the step that wrote the KV)."""
+    for that write too (docs/design.md's "Host tier": copies ordered after the finish of the step that wrote the KV)."""
     rig = Rig(backend_name, caching=True)
     mgr, be = rig.mgr, rig.be
     rig.add("p", 40, shared_prefix=40)

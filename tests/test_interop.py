@@ -165,6 +165,38 @@ def test_csr_views_argument_errors():
         csr_views(step, 0)
 
 
+@pytest.mark.parametrize("export", ["tables_to_torch", "write_positions_to_torch"])
+def test_torch_exports_refuse_a_step_whose_buffers_moved_on(export):
+    """The exports hand out the fixed-address buffers; those hold a step's tables only until the next
+    prepare, and may be overwritten once it is finished: both are refused before torch is imported (so in
+    CI too), as csr_views refuses them, instead of handing out a later step's tables ordered after an
+    older step's ready event. Not a Step: refused by name."""
+    fn = getattr(interop, export)
+    mgr = make_mgr("host", "shared")
+    mgr.add("a", 20)
+    step = mgr.prepare_batch({"a": 20})
+    for bad in (None, "step", mgr):
+        with pytest.raises(cupykv.StepOrderError, match=f"{export}: step=.* is not a Step"):
+            fn(bad)
+    step.finish()
+    with pytest.raises(cupykv.StepOrderError, match=f"{export}: step 0 was finished"):
+        fn(step)
+    mgr.settle(step)
+    later = mgr.prepare_batch((), ["a"])
+    with pytest.raises(cupykv.StepOrderError, match=f"{export}: step 0 is not the latest"):
+        fn(step)
+    with pytest.raises(cupykv.StepOrderError, match="is not the latest"):
+        fn(step.on(0))
+    later.finish()
+    mgr.settle(later)
+
+
+def test_cupy_stream_without_cupy_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupykv.backends.cuda", None)     # its import now fails, as without CuPy
+    with pytest.raises(InteropUnavailableError, match="needs CuPy"):
+        interop.cupy_stream(object())
+
+
 def test_missing_torch_raises_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)     # `import torch` now raises ImportError
     mgr = make_mgr("host", "shared")

@@ -1,4 +1,5 @@
-"""Page math of DESIGN.md section 2, checked against numbers worked out by hand (in the comments).
+"""Page math of the README's "Concepts" and docs/design.md's "Ranges", checked against numbers worked out
+by hand (in the comments).
 
 No manager here: Layout is a pure function of the spec.
 """
@@ -10,7 +11,7 @@ from cupykv import CacheSpec, InvalidSpecError, Layout
 
 
 def gpt_oss_spec(**kw):
-    # 36 layers alternating SWA(128) / full, as in DESIGN.md section 7.
+    # 36 layers alternating SWA(128) / full, as in GPT-OSS-120B.
     args = dict(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, dtype="bfloat16",
                 tokens_per_block=32, max_seq_len=131072, max_batch=256, slots_per_group=1024)
     args.update(kw)
@@ -291,7 +292,7 @@ def test_per_layer_sinks_split_groups():
 # slots from memory_bytes
 # --------------------------------------------------------------------------------------------------
 def _slot_bytes_by_hand(scale, tpb, heads, dim, dtype_bytes):
-    # DESIGN.md: a slot is [scale, tpb, kv_heads, head_dim] of dtype
+    # a slot is [scale, tpb, kv_heads, head_dim] of dtype
     return scale * tpb * heads * dim * dtype_bytes
 
 

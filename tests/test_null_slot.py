@@ -1,4 +1,4 @@
-"""CacheSpec(null_slot=True) through the manager, on both backends (DESIGN.md section 10).
+"""CacheSpec(null_slot=True) through the manager, on both backends (the README's "Reading the tables", null slot).
 
 A manager with null slots and a twin without them (one slot fewer per group, so both allocate the same
 slots) run the same workload in lockstep: chunked prefill with scratch reuse, multi-token decode with

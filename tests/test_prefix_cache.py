@@ -1,4 +1,4 @@
-"""Prefix caching (DESIGN.md section 8) against the contract: explicit expected hits, worked out by hand
+"""Prefix caching (docs/design.md's "Prefix caching") against the contract: explicit expected hits, worked out by hand
 in each test, and oracle.PrefixModel (the cache slot by slot) behind every call.
 
 Every test runs through Harness: each call goes to the manager and to the model (PrefixModelled checks
@@ -207,7 +207,7 @@ def test_decode_blocks_after_an_unreported_step_are_never_cached(harness):
 
 
 def test_a_follow_up_hits_the_window_of_the_request_end(backend_name):
-    """The request's end (its window when freed) is a retained boundary (DESIGN.md section 8; the newest
+    """The request's end (its window when freed) is a retained boundary (docs/design.md's "Prefix caching"; the newest
     block that left the window keeps its hash until the next release, for the ends one token short of a
     block boundary). After a 40-token prompt and d reported tokens (history h = 40 + d), a follow-up
     that repeats them hits floor(h / tpb) * tpb, whatever h is. (The prompt end's window, blocks

@@ -1,14 +1,14 @@
 """Stateful property test: random serving workloads against an independent model of the manager.
 
 The model (oracle.Model) keeps its own history, capacity, row and scratch ranges per request and derives
-from the formulas of DESIGN.md section 2 which blocks must hold a slot; the manager's table must agree
-after every operation. Each step's tables (captured by a consumer on another stream, gated at random)
+from the formulas of the README's "Concepts" and docs/design.md's "Ranges" which blocks must hold a slot;
+the manager's table must agree after every operation. Each step's tables (captured by a consumer on another stream, gated at random)
 must equal the reference computed from the host table at that step's prepare. Counts (prompt lengths,
 chunks, num_gen_tokens, accepted tokens) are drawn as Python ints and as every numpy integer type that
 holds them.
 
 PrefixMachine runs the same workloads with prefix caching on, against oracle.PrefixModel (the cache of
-DESIGN.md section 8 slot by slot): prompts drawn from a few shared prefixes, follow-ups of earlier
+docs/design.md's "Prefix caching" slot by slot): prompts drawn from a few shared prefixes, follow-ups of earlier
 requests' tokens (prompt and reported generation tokens), salts, checkpoints, small pools (evictions),
 rewinds and frees in flight. After every call: add's hit, the slots each step took (free first, then the
 least recently released evictable ones, never a quarantined one), the cache events; after every rule:

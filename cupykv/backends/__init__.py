@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
-import numpy as np
-
-from ..args import is_ordered
+from ..args import is_count, is_ordered
 from ..errors import BackendUnavailableError, InvalidSpecError
 
 
@@ -31,6 +29,20 @@ def cuda_available() -> bool:
         return bool(cupy.is_available())
     except Exception:
         return False
+
+
+def _why_no_cuda() -> str:
+    """What cuda_available() found missing, for an error message."""
+    try:
+        import cupy
+    except Exception as exc:      # noqa: BLE001  (an import can fail in many ways: a missing library too)
+        return (f"CuPy does not import ({type(exc).__name__}: {exc}); install it with pip install -e "
+                "\".[cuda12]\" or \".[cuda13]\"")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:      # noqa: BLE001
+        return f"CuPy {cupy.__version__} is installed but finds no usable GPU or driver ({exc})"
+    return f"CuPy {cupy.__version__} is installed and sees {count} device(s), none usable"
 
 
 def make_backend(name: str = "auto", device: Optional[int] = None):
@@ -65,8 +77,8 @@ def make_backends(backend: Union[str, object] = "auto", devices: Optional[Sequen
         return [HostBackend(device=sim, device_id=d) for d in (ids or [0])]
     if name == "cuda":
         if not cuda_available():
-            raise BackendUnavailableError("backend='cuda' needs CuPy and a CUDA GPU; none is usable here "
-                                          "(install cupykv[cuda12] or [cuda13], or use backend='host')")
+            raise BackendUnavailableError(f"backend='cuda' needs CuPy and a CUDA GPU; {_why_no_cuda()} "
+                                          "(or use backend='host', or 'auto')")
         from .cuda import CudaBackend, device_count
         count = device_count()
         for d in ids or ():
@@ -87,6 +99,6 @@ def _device_ids(devices) -> Optional[List[int]]:
     if not ids:
         raise InvalidSpecError("devices=[]: needs at least one device")
     for d in ids:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+        if not is_count(d) or d < 0:        # numpy integers and 0-d integer arrays too
             raise InvalidSpecError(f"devices={ids}: {d!r} is not a device id (a non-negative integer)")
     return [int(d) for d in ids]

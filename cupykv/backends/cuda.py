@@ -20,9 +20,9 @@ import cupyx
 import numpy as np
 from cupy.cuda import driver, runtime
 
-from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_THREADS, module_of,
-                       module_source)
-from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, pow2_at_least, pow2_buckets
+from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
+                       module_of, module_source)
+from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
@@ -256,7 +256,7 @@ def _whole_entry_threads(planes: int, groups: int, max_blocks: int, entries: int
     quad into all of the group's planes; where that gives fewer than TABLE_FILL_BLOCKS blocks, the grid
     grows towards a thread per plane quad and the kernel splits each group's layers over the extra threads
     (it reads the split from the grid)."""
-    quads = entries * (max_blocks // 4)
+    quads = entries * (max_blocks // QUAD_BLOCKS)
     return max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
 
 
@@ -309,8 +309,8 @@ class ParamBytes:
 class PackedLaunch:
     """A kernel with its arguments packed once into the array of argument pointers cuLaunchKernel takes.
 
-    CuPy's RawKernel call converts and checks every argument on every launch (several microseconds for
-    build_step's 19). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
+    CuPy's RawKernel call converts and checks every argument on every launch; cupykv_step and
+    cupykv_step_inline, launched every step, skip that (docs/host_profile.md has what it cost). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
     ParamBytes, in the kernel's parameter order. A cell (`cells[i].value`) may change between launches: the
     driver copies the arguments, ParamBytes' bytes included, when a launch is enqueued, or captured into a
     graph.
@@ -386,7 +386,7 @@ class CudaStepPlan(StepPlan):
             # (cudaPointerGetAttributes would say so too, but not in a thread that has no current context
             # yet: there it reports a device address of 0.)
             host = ctypes.c_uint64(twin.host.ctypes.data)
-            self._sync = backend.device_empty(4)     # cupykv_step's phase counters, zero between launches
+            self._sync = backend.device_empty(STEP_SYNC_WORDS)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
             # The driver reads all INLINE_SNAPSHOT_WORDS words at the slot's address: only a slot that long
@@ -733,8 +733,8 @@ class CudaBackend:
     def _step_launch_args(snap, mirror, out, row_entry, pages, offsets, consts, shared: bool):
         """Check build_step's buffers; returns (planes, the launch arguments but the last)."""
         B, max_batch = int(consts.max_blocks), int(consts.max_batch)
-        if B % 4:
-            raise ValueError(f"build_step: max_blocks={B} must be a multiple of 4")
+        if B % QUAD_BLOCKS:
+            raise ValueError(f"build_step: max_blocks={B} must be a multiple of {QUAD_BLOCKS}")
         _require_device(snap, "snap")
         _require_device(mirror, "mirror", align=16)
         _require_device(out, "out", align=16)
@@ -877,8 +877,7 @@ class CudaBackend:
     # -- internals -----------------------------------------------------------------------------
     def _memo(self, tag: str, buffers: tuple, make):
         """make() once per (tag, buffers by identity). A manager's buffers are fixed for its life, so each
-        step's calls skip re-validating them and re-reading their pointers (several microseconds per call
-        on a slow host). The entry holds the buffers, so their ids cannot be reused while it exists."""
+        step's calls skip re-validating them and re-reading their pointers. The entry holds the buffers, so their ids cannot be reused while it exists."""
         key = (tag,) + tuple(map(id, buffers))
         hit = self._memo_cache.get(key)
         if hit is None:

@@ -7,6 +7,8 @@ So the races that an overlap scheduler causes on a GPU reproduce here determinis
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import weakref
 from collections import deque
 from typing import Callable, Deque, List, Optional, Tuple
@@ -14,10 +16,25 @@ from typing import Callable, Deque, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CupykvError
-from ..staging import MODE_DELTA, MODE_FULL, unpack_snapshot
+from ..staging import BAD, MODE_DELTA, MODE_FULL, unpack_snapshot
 from .plan import StepPlan
 
-BAD = -1
+
+def available_memory_bytes() -> Optional[int]:
+    """What this machine can still give a process: MemAvailable + SwapFree of /proc/meminfo (Linux), else
+    the physical memory; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = (line.split(":", 1) for line in f)
+            kb = {k: int(v.split()[0]) for k, v in fields if k in ("MemAvailable", "SwapFree")}
+        if "MemAvailable" in kb:
+            return (kb["MemAvailable"] + kb.get("SwapFree", 0)) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class DeviceBlockedError(CupykvError):
@@ -25,10 +42,24 @@ class DeviceBlockedError(CupykvError):
 
 
 class SimDevice:
-    """Runs the queued work of every simulated stream, in each stream's order, as far as it can."""
+    """Runs the queued work of every simulated stream, in each stream's order, as far as it can; counts the
+    bytes its backends' buffers take."""
 
     def __init__(self):
         self.streams: List["SimStream"] = []
+        self.allocated = 0
+        self.memory_bytes = available_memory_bytes()    # when it was made: its buffers are refused past this
+
+    def claim(self, nbytes: int) -> None:
+        """Count a buffer of nbytes, or raise MemoryError if the buffers would outgrow the machine's memory.
+        numpy hands out large zeroed buffers without touching their pages, so each buffer alone fits; the
+        manager fills them, and past the machine's memory the kernel's out-of-memory killer ends the
+        process, where a GPU's allocation fails with an error the manager reports."""
+        total = self.allocated + int(nbytes)
+        if self.memory_bytes is not None and total > self.memory_bytes:
+            raise MemoryError(f"the host backend's buffers would take {total} bytes; this machine has "
+                              f"{self.memory_bytes} bytes available")
+        self.allocated = total
 
     def drain(self) -> None:
         progress = True
@@ -155,17 +186,24 @@ class HostBackend:
         return contextlib.nullcontext()
 
     # memory
+    def _zeros(self, shape, dtype) -> np.ndarray:
+        count = math.prod(shape) if isinstance(shape, tuple) else shape     # Python ints: no overflow
+        self.device.claim(int(count) * np.dtype(dtype).itemsize)
+        return np.zeros(shape, dtype)
+
     def pinned_empty(self, words: int) -> np.ndarray:
-        return np.zeros(words, np.int32)
+        return self._zeros(words, np.int32)
 
     def pinned_temp(self, words: int) -> np.ndarray:
         return self.pinned_pool.empty(words)
 
     def device_empty(self, words: int) -> np.ndarray:
-        return np.zeros(words, np.int32)
+        return self._zeros(words, np.int32)
 
     def device_full(self, shape, value, dtype=np.int32) -> np.ndarray:
-        return np.full(shape, value, dtype)
+        arr = self._zeros(shape, dtype)
+        arr.fill(value)
+        return arr
 
     def to_numpy(self, arr) -> np.ndarray:
         return np.array(arr, copy=True)
@@ -186,7 +224,7 @@ class HostBackend:
         stream.enqueue(run)
 
     def pinned_bytes(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, np.uint8)
+        return self._zeros(nbytes, np.uint8)
 
     def copy_bytes(self, dst: np.ndarray, src: np.ndarray, stream: SimStream) -> None:
         """Copy contiguous src into dst (equal nbytes, any dtypes) when the queued copy runs."""

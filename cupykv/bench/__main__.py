@@ -29,7 +29,6 @@ from typing import List, Optional
 from .harness import SHAPES, Settings, run
 from .report import summary_text, write_outputs
 
-SUBCOMMANDS = ("prefix", "host-tier", "devices")
 
 
 def _ints(text: str) -> List[int]:
@@ -286,18 +285,19 @@ def main_host_tier(argv: List[str]) -> int:
                        host_tier_markdown)
 
 
+def _main_devices(argv: List[str]) -> int:
+    from .devices_bench import main as main_devices
+    return main_devices(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the table and write the outputs; the exit status (0: every output matched
     the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix).
     A first argument 'prefix', 'host-tier' or 'devices' runs that benchmark instead."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] == "prefix":
-        return main_prefix(args[1:])
-    if args and args[0] == "host-tier":
-        return main_host_tier(args[1:])
-    if args and args[0] == "devices":
-        from .devices_bench import main as main_devices
-        return main_devices(args[1:])
+    subcommands = {"prefix": main_prefix, "host-tier": main_host_tier, "devices": _main_devices}
+    if args and args[0] in subcommands:
+        return subcommands[args[0]](args[1:])
     settings = parse_args(argv)
     if settings.backend == "auto" and not settings.smoke:
         from ..backends import cuda_available

@@ -51,7 +51,6 @@ from .record import stats
 from .workload import SHAPES, Shape
 
 SMOKE_SHAPE = Shape("gpt-oss-tiny", (16, None) * 2, 1, 8)
-COPY_CASES = ("contiguous", "fragmented", "whole-sequence", "memcpy")
 MAX_OVERLAP_STEPS = 200          # decode steps per timed loop of the overlap measurement (at most)
 
 

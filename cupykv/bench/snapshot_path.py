@@ -3,7 +3,8 @@
 This re-implements the per-layer SWA path of the reference system after its race fix (see
 shared/notes/reference-systems.md): every step it copies copy_idx, the WHOLE host page table and the
 scratch metadata (padded to the staging capacity) into fresh pinned tensors, ships them to the device
-with non-blocking copies on the current torch stream, runs the conversion of DESIGN.md section 3 with
+with non-blocking copies on the current torch stream, runs the conversion of docs/design.md's
+"The conversion contract" with
 torch ops over the whole staging capacity into a full [L, capacity, 2, B] output, and copies the first
 num_seqs rows into the attention buffer.
 
@@ -21,8 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import CupykvError
-
-BAD = -1
+from ..layout import BAD
 
 __all__ = ["BAD", "FullSnapshotPath", "TorchUnavailableError", "convert_snapshot", "require_torch"]
 
@@ -44,7 +44,8 @@ def require_torch(who: str = "cupykv.bench.snapshot_path",
 
 
 def convert_snapshot(table, copy_idx, begs, ends, slots, layer_group, group_scale, layer_off, out):
-    """The PER_LAYER conversion (DESIGN.md section 3) over the whole staging capacity, in torch ops.
+    """The PER_LAYER conversion (docs/design.md's "The conversion contract") over the whole staging capacity,
+    in torch ops.
 
     table: [P, rows, B] int32; copy_idx: [C] int32 (table row of each staging row); begs/ends: [P, C]
     int32 (begs == ends == 0 for rows that are not contexts); slots: [P, C, W] int32 scratch slot ids;
@@ -115,7 +116,7 @@ class FullSnapshotPath:
                              f"({L},), group_scale {scale.shape} needs ({P},)")
         if lg.min() < 0 or lg.max() >= P or scale.min() <= 0:
             raise ValueError("FullSnapshotPath: layer_group must be in [0, num_groups), group_scale > 0")
-        self.layer_group_np, self.layer_koff_np, self.group_scale_np = lg, koff, scale
+        self.group_scale_np = scale
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         dev, i32 = self.device, torch.int32
@@ -194,7 +195,6 @@ class FullSnapshotPath:
              scratch: Optional[np.ndarray] = None):
         """One step; returns attn[:, :num_seqs] (a view of the attention buffer), enqueued on the current
         torch stream. The caller's numpy arrays may be rewritten as soon as this returns."""
-        torch = self._t
         P, C, M = self.num_groups, self.capacity, self.max_scratch_width
         table, idx, nctx, bg, en, sc = self._check(host_table, copy_idx, num_contexts, begs, ends, scratch)
         n = idx.shape[0]

@@ -283,10 +283,6 @@ class Workload:
         """plan_decode_only applied to every manager: (contexts, generation, case)."""
         return self._schedule(self.plan_decode_only(pos))
 
-    def schedule_ctx(self) -> Tuple[dict, List[int], str]:
-        """plan_ctx applied to every manager: (contexts, generation, case)."""
-        return self._schedule(self.plan_ctx())
-
     def _schedule(self, plan: Plan) -> Tuple[dict, List[int], str]:
         for mgr in self.managers:
             self.apply(mgr, plan)

@@ -8,7 +8,7 @@
 
 backends/cuda.py compiles each file as its own CuPy RawModule. Constants that Python and a kernel both
 rely on are written in no .cu file: module_source() prepends them, generated from the Python values (the
-snapshot layout from staging.py, BAD from layout.py, the block size below). Importing this package needs
+snapshot layout from staging.py, BAD and QUAD_BLOCKS from layout.py, the block size and the rest below). Importing this package needs
 neither CuPy nor a GPU, so tests compile exactly this source with NVRTC on machines without one.
 """
 from __future__ import annotations
@@ -25,6 +25,10 @@ OPTIONS = ("-std=c++17",)
 # it as their __launch_bounds__, and a launch with more threads than that would fail.
 STEP_THREADS = 256
 
+# Words of cupykv_step's phase counters (the next ticket, copy blocks done, apply blocks done, blocks
+# exited), a device buffer per mirror that the last block to exit zeroes for the next launch.
+STEP_SYNC_WORDS = 4
+
 # Snapshot words a cupykv_step_inline launch carries as its parameter: with the kernel's other parameters
 # (128 bytes) within the 4 KB of parameters every CUDA device takes (more costs the launch: the driver copies
 # the whole struct into every launch).
@@ -39,7 +43,8 @@ class KernelModule(NamedTuple):
 
 def _step_prelude() -> str:
     return (cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
-            f"constexpr int INLINE_SNAPSHOT_WORDS = {INLINE_SNAPSHOT_WORDS};\n")
+            f"constexpr int INLINE_SNAPSHOT_WORDS = {INLINE_SNAPSHOT_WORDS};\n"
+            f"constexpr int STEP_SYNC_WORDS = {STEP_SYNC_WORDS};\n")
 
 
 MODULES: Dict[str, KernelModule] = {

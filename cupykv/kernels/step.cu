@@ -187,6 +187,8 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
     return min(max(row, 0), rows - 1);   // a corrupt snapshot (unsafe staging) stays inside the buffers
 }
 
+static_assert(QUAD_BLOCKS * sizeof(int) == sizeof(int4), "a quad of blocks is one int4 load or store");
+
 // FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and the null page
 // (BAD without a null slot) for the padding rows [num_seqs, pad_to). A work item is (group, entry, quad of 4
 // blocks): one 16-byte mirror load, then two 16-byte stores (K, V) into planes of the group (its layers,
@@ -199,14 +201,14 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
 // stores are contiguous (512 bytes where the warp stays in one row): the write pattern of a memset.
 // Also records in row_entry, for the changed cells of later steps, the entry each row was written at.
 // entries: the entries to write (a DELTA step's rebuilt ones, padding rows among them; per_group covers
-// that many), or nullptr: the batch's entries and padding rows [0, per_group / (B / 4)).
+// that many), or nullptr: the batch's entries and padding rows [0, per_group / (B / QUAD_BLOCKS)).
 // Index is int when the work count fits (64-bit division costs several times more), else long long.
 template <typename Index>
 __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per_group, Index items,
                             const int* entries)
 {
     const int* snap = a.snap;
-    const int quads = a.B / 4;
+    const int quads = a.B / QUAD_BLOCKS;
     const int num_seqs = max(0, min(snap[H_NUM_SEQS], a.max_batch));
     const int live = max(num_seqs, min(snap[H_PAD_TO], a.max_batch));
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
@@ -221,7 +223,7 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
         const int p = static_cast<int>(i / per_group);
         const Index q = i - p * per_group;
         const int e = static_cast<int>(q / quads);
-        const int b0 = static_cast<int>(q - static_cast<Index>(e) * quads) * 4;
+        const int b0 = static_cast<int>(q - static_cast<Index>(e) * quads) * QUAD_BLOCKS;
         const int s = entries ? min(max(entries[e], 0), live - 1) : e;
         int4 base = make_int4(BAD, BAD, BAD, BAD);   // a padding row: every cell as for a BAD base
         Scratch sc;
@@ -374,7 +376,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
 // full_tables over `count` entries (of `entries`, or the first ones), with the narrowest index that fits.
 __device__ void full_tables_of(const StepArgs& a, int block, int nblocks, int count, const int* entries)
 {
-    const long long per_group = static_cast<long long>(count) * (a.B / 4);
+    const long long per_group = static_cast<long long>(count) * (a.B / QUAD_BLOCKS);
     const long long items = per_group * a.num_groups;
     // int while the work (items * split <= max(items, threads of the grid)) and a last stride fit
     if (items <= 0x7FFFFFFFLL - 0x7FFFFFFLL && static_cast<long long>(nblocks) * blockDim.x <= 0x7FFFFFFLL)
@@ -440,10 +442,11 @@ cupykv_build_step(const int* __restrict__ snap, const int* __restrict__ mirror, 
 // waiting block waits for holds a smaller ticket and is already resident; none of them waits for a larger
 // one, so the grid always makes progress however many blocks fit on the device at once.
 //
-// sync[4] (device memory, zero between launches): [0] the next ticket, [1] copy blocks done, [2] apply blocks
+// sync[STEP_SYNC_WORDS] (device memory, zero between launches): [0] the next ticket, [1] copy blocks done, [2] apply blocks
 // done, [3] blocks exited. The last block to exit zeroes them for the next launch; launches that share a sync
 // buffer must not overlap (one mirror's steps run in order on its manager stream).
 constexpr int SYNC_TICKET = 0, SYNC_COPIED = 1, SYNC_APPLIED = 2, SYNC_EXITED = 3;
+static_assert(SYNC_EXITED + 1 == STEP_SYNC_WORDS, "the phase counters fill the sync buffer the backend allocates");
 
 __device__ __forceinline__ void phase_done(int* sync, int which)
 {
