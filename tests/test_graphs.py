@@ -1,7 +1,10 @@
 """CUDA graphs: consumers captured once read the right pages through the fixed-address tables for many
-steps of a changing workload; the manager's own step runs as graph replays (use_graphs=True); and a
-prepare_batch that needs a new graph never waits for the device, even while a gate holds the manager
-stream (run as a script, this file runs that check in a fresh process: see the end of the file).
+steps of a changing workload; the manager's own step runs as graph replays (use_graphs=True); with its
+graphs captured up front, no prepare_batch waits for the device while a gate holds the manager stream;
+and the first capture in a fresh process loads no kernel behind the gate (run as a script, this file
+runs that check in a fresh process: see the end of the file). A capture can still wait for the device
+in its graph's instantiation (README, "CUDA graphs"), so no test here asserts that a capture in a busy
+process, with many graphs alive, does not.
 
 The capture tests need a GPU; the manager's graph path is also exercised on the host backend by the
 race tests and the property test (the host backend enqueues the same work op by op).
@@ -252,12 +255,11 @@ def test_up_front_buckets_cover_the_pipelines_rounding():
         assert rounded == buckets, (lowest, cap)
 
 
-def test_new_graphs_behind_a_gate_do_not_block_prepare(backend_name):
-    """A fresh manager's first graphs, captured while its stream is held (this process may have loaded the
-    kernels already: the fresh-process test below covers a first load). The host backend runs the same
-    burst, without graphs: its prepare_batch must not wait for the simulated stream either."""
-    mgr = make(use_graphs=True, backend=backend_name)
-    check_burst(gated_burst(mgr), new_graphs=len(BURST) if backend_name == "cuda" else 0)
+def test_a_burst_behind_a_gate_does_not_block_prepare_on_the_host_backend():
+    """The host backend runs the burst without graphs: its prepare_batch must not wait for the simulated
+    stream either. (On a GPU the burst's captures could wait in their instantiation: the up-front and
+    fresh-process tests below cover the GPU.)"""
+    check_burst(gated_burst(make(use_graphs=True, backend="host")), new_graphs=0)
 
 
 def test_first_capture_in_a_fresh_process_does_not_wait_for_the_device():

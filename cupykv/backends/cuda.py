@@ -456,13 +456,15 @@ class CudaStepPlan(StepPlan):
         launch(copy + apply + table + pos, stream_ptr)
 
     def _capture(self, key: tuple, mode: int, graph: tuple):
-        """Capture, instantiate and upload one step graph; nothing here waits for the device.
+        """Capture, instantiate and upload one step graph.
 
         The kernels are fully loaded first (load_kernels): under lazy loading, instantiating a graph whose
         kernels were never launched loads them, and loading may synchronize the context, which blocks
-        the host until every busy stream drains. The capture stream exists from construction and is idle,
-        so the upload (which sets up the graph's device resources) does not queue behind the manager
-        stream, and the first replay there only runs the graph.
+        the host until every busy stream drains. The instantiation itself (in end_capture) can still make
+        the host wait for busy streams, now and then (measured on the H200: README, "CUDA graphs"), which is
+        why capture_graphs() before serving is the way to keep prepare_batch off the device. The capture
+        stream exists from construction and is idle, so the upload (which sets up the graph's device
+        resources) does not queue behind the manager stream, and the first replay there only runs the graph.
         """
         be = self.backend
         be.load_kernels("step")
