@@ -12,6 +12,11 @@ def backend_or_skip(name: str) -> str:
     return name
 
 
+def graph_count(backend) -> int:
+    """Step graphs the backend holds (none on the host backend)."""
+    return getattr(backend, "num_step_graphs", 0)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_name(request):
     return backend_or_skip(request.param)

@@ -10,7 +10,7 @@ import pytest
 
 import cupykv
 import cupykv.step
-from conftest import backend_or_skip
+from conftest import backend_or_skip, graph_count
 from cupykv.storage import KVStorage
 from oracle import Capture, check_slots
 
@@ -25,12 +25,12 @@ def two_devices(backend_name: str) -> list:
     return [0, 1]
 
 
-def make(backend_name, staging="snapshot", devices=None, **kw):
+def make(backend_name, staging="snapshot", devices=None, ring_slots=4, **kw):
     spec = cupykv.CacheSpec(windows=[32, None, 32, 64], num_kv_heads=4, head_dim=8, tokens_per_block=8,
                             max_seq_len=1024, max_batch=8, slots_per_group=[160, 400, 200], max_rewind=3,
                             swa_scratch_reuse=True, dtype="float32", **kw)
     return cupykv.KVCacheManager(spec, backend=backend_name, staging=staging.split("+")[0],
-                                 use_graphs=staging.endswith("+graphs"),
+                                 use_graphs=staging.endswith("+graphs"), ring_slots=ring_slots,
                                  devices=devices if devices is not None else two_devices(backend_name))
 
 
@@ -88,9 +88,13 @@ def test_every_device_reads_the_reference_tables(backend_name, staging, null_slo
     check_slots(mgr)
 
 
+GATED_STEPS = 6      # the steps gated_rewrite prepares behind its gate
+
+
 def gated_rewrite(mgr, gated_rank: int):
     """Step N behind a gate on one device's manager stream while steps N+1.. rewrite the table (a rewind,
-    a free, a new request in the freed row, stale releases); returns (step N, per rank the mismatches)."""
+    a free, a new request in the freed row, stale releases); returns (step N, per rank the mismatches).
+    With graphs, mgr needs a ring slot for each of the GATED_STEPS steps (ring_slots)."""
     for r in ("a", "b"):
         mgr.add(r, 150)
     s = mgr.prepare_batch({"a": 150, "b": 150})
@@ -100,7 +104,10 @@ def gated_rewrite(mgr, gated_rank: int):
     caps = [Capture(mgr, rank=r).reserve(16) for r in range(len(mgr.devices))]
     # With graphs, every graph first: instantiating one behind the gate can wait for the gated device
     # (README, "CUDA graphs"), and the gate would time out; what this tests is the tables, not capture.
+    # No slot's copy completes behind the gate, so each step there takes a slot of its own: a slot added
+    # there would capture its graphs on first use.
     mgr.capture_graphs()
+    graphs = [graph_count(be) for be in mgr.backends]
     be = mgr.backends[gated_rank]
     gate = be.gate(be.stream)
     step = mgr.prepare_batch((), ["a", "b"], num_gen_tokens=3)
@@ -118,10 +125,13 @@ def gated_rewrite(mgr, gated_rank: int):
         for cap in caps:
             cap.consume(s)
         mgr.settle(s)
+    captured = [graph_count(be) - n for be, n in zip(mgr.backends, graphs)]
     gate.open()
     mgr.synchronize()
     for cap in caps:
         cap.stream.synchronize()
+    assert captured == [0] * len(mgr.backends), (
+        f"graphs captured behind the gate, per device: {captured} (give the manager more ring slots)")
     assert not gate.close_timeout_hit()
     return step, [cap.mismatches() for cap in caps]
 
@@ -132,7 +142,7 @@ def test_a_gated_device_still_gets_its_steps_tables(backend_name, staging, gated
     """The race test of test_races.py, per device: one device's manager stream is held while the host
     rewrites the table. With snapshot staging every device's every step is right; the unsafe mode
     (copies from the live table) must fail on the gated device, which proves the test catches the race."""
-    mgr = make(backend_name, staging)
+    mgr = make(backend_name, staging, ring_slots=GATED_STEPS)
     step, bad = gated_rewrite(mgr, gated_rank)
     if staging.startswith("snapshot"):
         assert bad == [[]] * len(mgr.devices), f"steps with wrong tables, per device: {bad}"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import cupykv
-from conftest import backend_or_skip, expected_tables
+from conftest import backend_or_skip, expected_tables, graph_count
 from oracle import Capture
 
 PAD = 8          # the consumer's fixed batch size
@@ -222,11 +222,6 @@ def gated_burst(mgr, gate_s: float = GATE_S, join_s: float = JOIN_S) -> dict:
         raise errors[0]
     return dict(blocked=blocked, blocked_in=blocked_in, seen=seen, timed_out=gate.close_timeout_hit(),
                 mismatches=cap.mismatches(), new_graphs=graph_count(be) - graphs_before)
-
-
-def graph_count(backend) -> int:
-    """Step graphs the backend holds (none on the host backend)."""
-    return len(getattr(backend, "_graphs", ()))
 
 
 def check_burst(result: dict, new_graphs: int) -> None:
