@@ -154,7 +154,11 @@ def salt_bytes(salt) -> bytes:
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return salt.encode("utf-8")
+        try:
+            return salt.encode("utf-8")
+        except UnicodeEncodeError as e:      # a lone surrogate
+            raise InvalidRequestError(f"cache_salt={salt!r}: a str salt must encode as UTF-8 ({e.reason} at "
+                                      f"{e.start}); pass bytes") from None
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
     raise InvalidRequestError(f"cache_salt={salt!r}: must be bytes or str (or None)")

@@ -59,9 +59,12 @@ class HostTier:
             raise InvalidSpecError(f"host_tier_bytes={nbytes}: too small for one slot of every group "
                                    f"(slot bytes per group: {slot_bytes})")
         self.slot_bytes = slot_bytes
+        self.pools: List[np.ndarray] = []
         try:
-            self.pools = [self.backend.pinned_bytes(n * b).reshape(n, b) for n, b in zip(slots, slot_bytes)]
+            for n, b in zip(slots, slot_bytes):
+                self.pools.append(self.backend.pinned_bytes(n * b).reshape(n, b))
         except (MemoryError, ValueError, RuntimeError) as exc:    # numpy's, and CUDA's through CuPy
+            self.pools.clear()          # what was pinned goes back now, not with the traceback
             raise InvalidSpecError(f"host_tier_bytes={nbytes}: cannot allocate that much pinned host memory "
                                    f"({type(exc).__name__}: {exc})") from exc
         self._free: List[List[int]] = [list(range(n - 1, -1, -1)) for n in slots]   # lowest on top

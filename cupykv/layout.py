@@ -9,6 +9,7 @@ from typing import Tuple
 
 import numpy as np
 
+from .args import as_count
 from .errors import InvalidSpecError
 from .groups import LayerGroup, cdiv, make_group
 from .spec import INT32_MAX, CacheSpec
@@ -58,9 +59,11 @@ class Layout:
         self.slots_per_group = self._slots_per_group()
         for g, n in zip(self.groups, self.slots_per_group):
             if n * g.scale > INT32_MAX + 1:     # page indices (slot * scale + the layer's page) are int32
-                raise InvalidSpecError(f"CacheSpec: group {g.index} ({len(g.layers)} layers, {g.scale} pages a slot) "
-                                       f"has {n} slots, {n * g.scale} pages; int32 page indices allow at most "
-                                       f"{(INT32_MAX + 1) // g.scale} slots")
+                given = ("slots_per_group" if spec.slots_per_group is not None
+                         else f"memory_bytes={spec.memory_bytes}, split between the groups,")
+                raise InvalidSpecError(f"CacheSpec: {given} gives group {g.index} ({len(g.layers)} layers, {g.scale} "
+                                       f"pages a slot) {n} slots, {n * g.scale} pages; int32 page indices allow at "
+                                       f"most {(INT32_MAX + 1) // g.scale} slots")
         if spec.null_slot and min(self.slots_per_group) < 2:
             raise InvalidSpecError(f"CacheSpec.null_slot=True: every group needs 2 slots or more (one is the "
                                    f"null slot); slots per group: {self.slots_per_group}")
@@ -87,13 +90,14 @@ class Layout:
         return group.sink_blocks
 
     def stale_range(self, group: LayerGroup, history: int) -> Tuple[int, int]:
-        return group.stale_range(history)
+        return group.stale_range(as_count(history, "stale_range: history"))
 
     def scratch_range(self, group: LayerGroup, start: int, capacity: int) -> Tuple[int, int]:
-        return group.scratch_range(start, capacity)
+        return group.scratch_range(as_count(start, "scratch_range: start"),
+                                   as_count(capacity, "scratch_range: capacity"))
 
     def scratch_slots_needed(self, group: LayerGroup, num_scratch_blocks: int) -> int:
-        return group.scratch_slots_needed(num_scratch_blocks)
+        return group.scratch_slots_needed(as_count(num_scratch_blocks, "scratch_slots_needed: num_scratch_blocks"))
 
     # -- sizing --------------------------------------------------------------------------------
     def slot_bytes(self, group: LayerGroup) -> int:

@@ -169,8 +169,10 @@ class KVCacheManager:
         except MemoryError as e:
             raise SpecTooLargeError(
                 f"the buffers this CacheSpec sizes do not fit ({e}): the page table and the outputs grow with "
-                f"max_batch={spec.max_batch} x max_seq_len={spec.max_seq_len} / tokens_per_block, the write "
-                f"positions with num_layers={spec.num_layers} x max_step_tokens={spec.step_token_capacity}") from e
+                f"max_batch={spec.max_batch} x (max_seq_len={spec.max_seq_len} + max_rewind={spec.max_rewind}) / "
+                f"tokens_per_block, the write positions with num_layers={spec.num_layers} x max_step_tokens="
+                f"{spec.step_token_capacity}" + ("" if spec.max_step_tokens is not None else
+                                                 " (by default 8192 + max_batch x (1 + max_rewind))")) from e
         self._windowed = [g for g in lay.groups if not g.keeps_every_block]
         self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
         self.residence = Residence(self)

@@ -119,6 +119,10 @@ class CacheSpec:
         put("max_rewind", _count("max_rewind", self.max_rewind, 0))
         if self.max_step_tokens is not None:
             put("max_step_tokens", _count("max_step_tokens", self.max_step_tokens, 1))
+        elif self.step_token_capacity > INT32_MAX:     # the default, from max_batch and max_rewind
+            _fail("max_rewind", self.max_rewind,
+                  f"the default max_step_tokens, 8192 + max_batch x (1 + max_rewind) = {self.step_token_capacity} "
+                  f"with max_batch={self.max_batch}, passes {INT32_MAX}; lower them or give max_step_tokens")
         _choice("table_mode", self.table_mode, TABLE_MODES)
         for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
             put(name, as_flag(getattr(self, name), f"CacheSpec.{name}", InvalidSpecError))

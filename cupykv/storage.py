@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .args import as_count
-from .errors import CupykvError, InvalidRequestError, InvalidSpecError, StepOrderError
+from .errors import CupykvError, InvalidRequestError, InvalidSpecError, SpecTooLargeError, StepOrderError
 from .host_tier import HostTier
 from .layout import Layout
 from .spec import DTYPE_BYTES
@@ -161,12 +161,27 @@ class KVStorage:
         if host_tier_bytes is not None and world > 1:
             raise InvalidSpecError("KVStorage(host_tier_bytes=...): the host tier serves one-device managers "
                                    f"only; this manager has {world} devices")
+        tier_bytes = None
+        if host_tier_bytes is not None:      # checked before anything is allocated
+            if self.manager is None:
+                raise InvalidRequestError("KVStorage(host_tier_bytes=...) needs a KVCacheManager")
+            if self.manager.host_tier is not None:
+                raise InvalidRequestError("this manager already has a host tier (one KVStorage per manager)")
+            tier_bytes = as_count(host_tier_bytes, "host_tier_bytes", minimum=1, error=InvalidSpecError)
         self.num_kv_heads, self.head_dim = spec.num_kv_heads // world, spec.head_dim
         self.arrays: List = []
-        for g, slots in zip(self.layout.groups, self.layout.slots_per_group):
-            shape = (slots, g.scale, self.tokens_per_block, self.num_kv_heads, self.head_dim)
-            self.arrays.append(self._zeros(shape))
-        self._errors = self._zeros((1,), np.int32)
+        try:
+            for g, slots in zip(self.layout.groups, self.layout.slots_per_group):
+                shape = (slots, g.scale, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+                self.arrays.append(self._zeros(shape))
+            self._errors = self._zeros((1,), np.int32)
+        except MemoryError as e:
+            self.arrays.clear()          # what was allocated goes back now, not with the traceback
+            raise SpecTooLargeError(
+                f"KVStorage: the KV arrays do not fit ({e}): per group slots x pages a slot x tokens_per_block="
+                f"{self.tokens_per_block} x num_kv_heads={self.num_kv_heads} x head_dim={self.head_dim} x "
+                f"{self.dtype.itemsize} bytes ({self.dtype.name}), with slots per group "
+                f"{list(self.layout.slots_per_group)}") from e
         if hasattr(backend, "load_kernels"):
             # Now, while this waits for the device anyway: loading the write kernels at the first write
             # could wait for every busy stream (lazy loading; CudaBackend.load_kernels).
@@ -175,13 +190,8 @@ class KVStorage:
         self._words = np.uint16 if self.dtype.itemsize == 2 else np.uint32    # what the write kernel copies
         self._writes: List = []        # events after writes on streams other than the manager stream
         self.host_tier: Optional[HostTier] = None
-        if host_tier_bytes is not None:
-            if self.manager is None:
-                raise InvalidRequestError("KVStorage(host_tier_bytes=...) needs a KVCacheManager")
-            if self.manager.host_tier is not None:
-                raise InvalidRequestError("this manager already has a host tier (one KVStorage per manager)")
-            n = as_count(host_tier_bytes, "host_tier_bytes", minimum=1, error=InvalidSpecError)
-            self.host_tier = self.manager.host_tier = HostTier(self, self.manager, n)
+        if tier_bytes is not None:
+            self.host_tier = self.manager.host_tier = HostTier(self, self.manager, tier_bytes)
 
     # -- the host tier -----------------------------------------------------------------------------
     def suspend(self, rid) -> None:
@@ -356,11 +366,8 @@ class KVStorage:
         return step
 
     def _zeros(self, shape, dtype=None):
-        dtype = self.dtype if dtype is None else dtype
-        if self.xp is np:
-            return np.zeros(shape, dtype)
-        with self.backend.device_context(), self.backend.stream:     # allocation and memset in manager-stream order (cupy-pitfalls)
-            return self.xp.zeros(shape, dtype)
+        # allocated and filled in manager-stream order (cupy-pitfalls), counted against the host backend's memory
+        return self.backend.device_full(shape, 0, self.dtype if dtype is None else dtype)
 
     def _sync(self) -> None:
         self.backend.stream.synchronize()

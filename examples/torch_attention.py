@@ -7,8 +7,9 @@ the pages of each sequence through the layer's table, and runs scaled_dot_produc
 window mask. The output is compared with the dense reference attention; the consumer's finish is
 recorded on torch's stream (finish_on_torch), so the next step's tables wait for it.
 
-Needs torch and a GPU; without them it says so and exits 0 (skipped). --backend host runs the same
-loop on the CPU (host backend, CPU tensors), to check the logic without a GPU.
+Needs torch; without it, it says so and exits 0 (skipped). Without a GPU that CuPy and torch both see,
+the default (--backend auto) runs the same loop on the CPU (host backend, CPU tensors), as --backend host
+does; --backend cuda then fails.
 
     python examples/torch_attention.py [--backend auto|cuda|host]
 """
@@ -129,11 +130,14 @@ def main(argv=None) -> int:
     if backend in ("auto", "cuda"):
         if not (cupykv.cuda_available() and torch.cuda.is_available()):
             why = "CuPy sees no GPU" if not cupykv.cuda_available() else "this torch build has no CUDA"
-            print(f"torch_attention: SKIPPED: needs a GPU with CuPy and CUDA torch ({why}); "
-                  f"--backend host runs the same loop on the CPU")
-            return 0 if backend == "auto" else 1
-        backend = "cuda"
-        torch.backends.cuda.matmul.allow_tf32 = False
+            if backend == "cuda":
+                print(f"torch_attention: FAILED: --backend cuda needs a GPU with CuPy and CUDA torch ({why})")
+                return 1
+            print(f"torch_attention: no GPU with CuPy and CUDA torch ({why}): the host backend and CPU tensors")
+            backend = "host"
+        else:
+            backend = "cuda"
+            torch.backends.cuda.matmul.allow_tf32 = False
     print(f"torch_attention: backend={backend}, torch {torch.__version__}; attention = torch "
           f"scaled_dot_product_attention on {'its own CUDA stream' if backend == 'cuda' else 'the CPU'}")
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cupykv
+import cupykv.backends.host
 
 from cupykv import (BAD, CacheSpec, CapacityExceededError, CupykvError, DuplicateRequestError,
                     InvalidRequestError, InvalidSpecError, KVCacheManager, OutOfSlotsError, StepOrderError,
@@ -773,6 +774,7 @@ def test_use_graphs_takes_only_a_bool():
     (dict(max_seq_len=2 ** 31), ["max_seq_len"]),
     (dict(slots_per_group=[8, 2 ** 31]), ["slots_per_group", "group 1"]),
     (dict(sink_tokens=2 ** 40), ["sink_tokens"]),
+    (dict(max_batch=2 ** 16, max_rewind=2 ** 15), ["max_rewind", "max_batch=65536", "max_step_tokens"]),
 ])
 def test_spec_counts_past_int32_are_refused(kw, needles):
     """The kernels and the snapshot hold these as int32: a larger value must be refused when the spec is
@@ -793,7 +795,7 @@ def test_buffers_that_do_not_fit_raise_a_spec_error(monkeypatch):
     with pytest.raises(cupykv.SpecTooLargeError) as ei:
         KVCacheManager(CacheSpec(**SPEC), backend="host")
     assert isinstance(ei.value, MemoryError) and isinstance(ei.value, InvalidSpecError)
-    for needle in ("Unable to allocate", "max_batch=4", "max_seq_len=256", "max_step_tokens="):
+    for needle in ("Unable to allocate", "max_batch=4", "max_seq_len=256", "max_rewind=2", "max_step_tokens="):
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
@@ -819,9 +821,53 @@ def test_host_buffers_past_the_machines_memory_raise_a_spec_error(monkeypatch):
     assert mgr.state() == probe.state()
 
 
+
+def test_kv_storage_past_the_machines_memory_raises_a_spec_error():
+    """KVStorage's arrays are counted as the manager's buffers are: past the machine's memory they raise
+    SpecTooLargeError naming the fields that size them, and nothing stays counted, so a storage that fits
+    is made afterwards (numpy granted every array before, untouched, and filling them got the process
+    killed)."""
+    from cupykv.storage import KVStorage
+    mgr = make_mgr(dtype="float32")
+    dev = mgr.backend.device
+    kv_bytes = sum(a.nbytes for a in KVStorage(mgr).arrays)      # dropped at once: its count goes with it
+    before, counted = mgr.state(), dev.allocated
+    dev.memory_bytes = counted + kv_bytes * 3 // 4                # room for float16 arrays, not float32
+    ei = expect_fail(mgr, cupykv.SpecTooLargeError, ["KVStorage", "num_kv_heads=2", "head_dim=8", "float32",
+                                                    "this machine has"], lambda: KVStorage(mgr))
+    assert isinstance(ei, MemoryError)
+    del ei
+    assert dev.allocated == counted
+    storage = KVStorage(mgr, dtype="float16")
+    assert dev.allocated >= counted + sum(a.nbytes for a in storage.arrays)
+    mgr.add("A", 20)
+    run_step(mgr, {"A": 20})
+    assert mgr.request("A").history == 20
+    del storage
+    assert dev.allocated == counted
+
+
+def test_a_host_tier_that_does_not_fit_leaves_nothing_counted():
+    """The host tier pins one pool per group; when a later group's pool is refused, the pools already pinned
+    go back with the error, so a tier that fits is accepted afterwards (the earlier pools stayed counted)."""
+    import gc
+    from cupykv.storage import KVStorage
+    mgr = make_mgr(dtype="float16")
+    dev = mgr.backend.device
+    before, counted = mgr.state(), dev.allocated
+    dev.memory_bytes = counted + (3 << 24)
+    with pytest.raises(InvalidSpecError, match="host_tier_bytes=67108864: cannot allocate"):
+        KVStorage(mgr, host_tier_bytes=1 << 26)
+    gc.collect()        # (no cycle holds them; this only makes the point independent of the interpreter)
+    assert dev.allocated == counted and mgr.host_tier is None and mgr.state() == before
+    storage = KVStorage(mgr, host_tier_bytes=int(0.7 * (1 << 26)))
+    assert mgr.host_tier is storage.host_tier
+
+
 _TOO_LARGE_ON_THE_GPU = """
 import pytest
 import cupykv
+import cupykv.backends.host
 from cupykv import CacheSpec, KVCacheManager
 from cupykv.backends.cuda import CudaBackend
 spec = CacheSpec(windows=[None] * 128, num_kv_heads=1, head_dim=8, tokens_per_block=32, max_batch=2 ** 16,
@@ -861,6 +907,20 @@ def test_page_indices_past_int32_are_refused():
     with pytest.raises(InvalidSpecError, match=f"at most {limit} slots"):
         cupykv.Layout(CacheSpec(**dict(spec, slots_per_group=limit + 1)))
     assert cupykv.Layout(CacheSpec(**dict(spec, slots_per_group=limit))).null_slots == (limit - 1,)
+    with pytest.raises(InvalidSpecError, match="memory_bytes=.*split between the groups.*int32 page indices"):
+        cupykv.Layout(CacheSpec(**dict(spec, slots_per_group=None, memory_bytes=2 ** 80)))
+
+
+@pytest.mark.parametrize("int_type", NUMPY_INTS, ids=lambda t: t.__name__)
+def test_layout_rules_take_numpy_counts(int_type):
+    """The Layout's forwarding helpers give for numpy counts what they give for Python ints (unsigned
+    ones overflowed in the window arithmetic)."""
+    lay = make_mgr(swa_scratch_reuse=True).layout
+    for g in lay.groups:
+        for n in (0, 5, 40, 100):
+            assert lay.stale_range(g, int_type(n)) == lay.stale_range(g, n)
+            assert lay.scratch_range(g, int_type(n // 2), int_type(n)) == lay.scratch_range(g, n // 2, n)
+            assert lay.scratch_slots_needed(g, int_type(n)) == lay.scratch_slots_needed(g, n)
 
 
 def test_bad_layout_argument():
@@ -997,7 +1057,7 @@ def test_bad_tokens(tokens, needles):
     assert mgr.stats()["prefix_cache"]["queries"] == 2
 
 
-@pytest.mark.parametrize("salt", [5, 1.5, ["a"], ("a",), {"a": 1}, True, np.int64(3)], ids=repr)
+@pytest.mark.parametrize("salt", [5, 1.5, ["a"], ("a",), {"a": 1}, True, np.int64(3), "\ud800"], ids=repr)
 def test_bad_salt(salt):
     mgr = cached_mgr()
     cached_prefill(mgr, "A", PROMPT)

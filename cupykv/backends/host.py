@@ -61,6 +61,10 @@ class SimDevice:
                               f"{self.memory_bytes} bytes available")
         self.allocated = total
 
+    def release(self, nbytes: int) -> None:
+        """A claimed buffer of nbytes was dropped."""
+        self.allocated -= nbytes
+
     def drain(self) -> None:
         progress = True
         while progress:
@@ -187,9 +191,11 @@ class HostBackend:
 
     # memory
     def _zeros(self, shape, dtype) -> np.ndarray:
-        count = math.prod(shape) if isinstance(shape, tuple) else shape     # Python ints: no overflow
-        self.device.claim(int(count) * np.dtype(dtype).itemsize)
-        return np.zeros(shape, dtype)
+        nbytes = int(math.prod(shape) if isinstance(shape, tuple) else shape) * np.dtype(dtype).itemsize
+        self.device.claim(nbytes)       # (Python ints: no overflow)
+        arr = np.zeros(shape, dtype)
+        weakref.finalize(arr, self.device.release, nbytes)      # counted for as long as the buffer lives
+        return arr
 
     def pinned_empty(self, words: int) -> np.ndarray:
         return self._zeros(words, np.int32)
