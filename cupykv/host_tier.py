@@ -161,6 +161,18 @@ class HostTier:
                             for pool, free, c in zip(self.pools, self._free, cached)],
                     suspended=len(self.held), bytes_to_host=self.bytes_to_host, bytes_to_device=self.bytes_to_device)
 
+    def state(self) -> tuple:
+        """A comparable snapshot (KVCacheManager.state): the suspended requests and their slots, every
+        group's free host slots with those on their way back (a poll moves them, which no caller can tell),
+        and the bytes copied."""
+        back: List[List[int]] = [[] for _ in self.pools]
+        for _, p, hs in self._returning:
+            back[p] += np.asarray(hs).tolist()
+        held = tuple((repr(rid), tuple(b.tobytes() for b in s.blocks), tuple(h.tobytes() for h in s.host_slots))
+                     for rid, s in self.held.items())
+        return (held, tuple(tuple(sorted(f + b)) for f, b in zip(self._free, back)), self.bytes_to_host,
+                self.bytes_to_device)
+
     # -- internals -------------------------------------------------------------------------------
     def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
         dev, host = self.storage.arrays[p], self.pools[p]

@@ -682,4 +682,5 @@ class KVCacheManager:
     def state(self) -> tuple:
         """A comparable snapshot of every piece of host state (tests compare it around failing calls)."""
         return (self.page_table.state(), self.requests.state(), tuple(p.state() for p in self.pools),
-                self.ledger.state(), tuple(self._scratch_held), self.cache.state() if self.cache else None)
+                self.ledger.state(), tuple(self._scratch_held), self.cache.state() if self.cache else None,
+                self.host_tier.state() if self.host_tier else None, tuple(sorted(self.requests.loading)))
