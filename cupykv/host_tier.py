@@ -167,7 +167,7 @@ class HostTier:
         and the bytes copied."""
         back: List[List[int]] = [[] for _ in self.pools]
         for _, p, hs in self._returning:
-            back[p] += np.asarray(hs).tolist()
+            back[p] += hs.tolist()
         held = tuple((repr(rid), tuple(b.tobytes() for b in s.blocks), tuple(h.tobytes() for h in s.host_slots))
                      for rid, s in self.held.items())
         return (held, tuple(tuple(sorted(f + b)) for f, b in zip(self._free, back)), self.bytes_to_host,

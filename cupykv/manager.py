@@ -200,8 +200,9 @@ class KVCacheManager:
     def capture_graphs(self) -> int:
         """With use_graphs on the CUDA backend: capture now every step graph the snapshot ring can need, so
         that no prepare_batch captures one later (a ring slot added or grown later still captures on first
-        use: ring_slots sets how many exist now). Call while nothing holds the device, before serving: a capture can make the host wait for
-        the device's busy streams (README, "CUDA graphs"). Returns how many graphs were captured."""
+        use: ring_slots sets how many exist now). Call while nothing holds the device, before serving: a
+        capture can make the host wait for the device's busy streams (README, "CUDA graphs"). Returns how
+        many graphs were captured."""
         return self.pipeline.capture_graphs()
 
     # -- requests --------------------------------------------------------------------------------

@@ -158,11 +158,11 @@ class KVStorage:
         if spec.num_kv_heads % world:
             raise InvalidSpecError(f"KVStorage: num_kv_heads={spec.num_kv_heads} does not split evenly over "
                                    f"{world} devices")
-        if host_tier_bytes is not None and world > 1:
-            raise InvalidSpecError("KVStorage(host_tier_bytes=...): the host tier serves one-device managers "
-                                   f"only; this manager has {world} devices")
         tier_bytes = None
         if host_tier_bytes is not None:      # checked before anything is allocated
+            if world > 1:
+                raise InvalidSpecError("KVStorage(host_tier_bytes=...): the host tier serves one-device managers "
+                                       f"only; this manager has {world} devices")
             if self.manager is None:
                 raise InvalidRequestError("KVStorage(host_tier_bytes=...) needs a KVCacheManager")
             if self.manager.host_tier is not None:
