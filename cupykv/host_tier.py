@@ -1,8 +1,11 @@
 """The host tier: a pinned host pool per layer group, and suspend / resume of a request's KV.
 
 A device slot of group g is one contiguous range of KVStorage.arrays[g] ([scale, tpb, kv_heads,
-head_dim]), so a request moves as a few contiguous copies (one per run of adjacent slots) on the tier's
-own copy stream, overlapping with other steps' device work. Both directions follow the rule the
+head_dim]), so a request moves as runs of adjacent slots, one backend.copy_runs per group and direction
+on the tier's own copy stream, overlapping with other steps' device work. On CUDA a copy to the host is
+one copy kernel, not memcpys: a copy engine busy with a large device-to-host copy holds up the small
+copies other streams make in that direction meanwhile (an engine's sampled tokens each step) until it is
+done (backends/cuda.py, copy_runs). Both directions follow the rule the
 snapshots follow: nobody writes a copy's source or destination until the event after it has completed,
 and no pinned buffer is dropped while a copy may touch it (the pool is allocated once, for the life of
 the tier).

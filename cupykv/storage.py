@@ -183,9 +183,9 @@ class KVStorage:
                 f"{self.dtype.itemsize} bytes ({self.dtype.name}), with slots per group "
                 f"{list(self.layout.slots_per_group)}") from e
         if hasattr(backend, "load_kernels"):
-            # Now, while this waits for the device anyway: loading the write kernels at the first write
-            # could wait for every busy stream (lazy loading; CudaBackend.load_kernels).
-            backend.load_kernels("kv_write")
+            # Now, while this waits for the device anyway: loading the write (and host-tier copy) kernels at
+            # their first use could wait for every busy stream (lazy loading; CudaBackend.load_kernels).
+            backend.load_kernels("kv_write", *(("tier_copy",) if tier_bytes is not None else ()))
         self._sync()   # zero-filled before any stream uses them
         self._words = np.uint16 if self.dtype.itemsize == 2 else np.uint32    # what the write kernel copies
         self._writes: List = []        # events after writes on streams other than the manager stream

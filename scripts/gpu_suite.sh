@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [ab] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [footprint]
+# [profile] [ab] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [tier-copies] [footprint]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -106,6 +106,11 @@ for part in $parts; do
         for b in 1 256; do timeout 120 python3 scripts/process_footprint.py $cond $b >>"$OUT/process_footprint.log" 2>&1; done
       done
       cat "$OUT/process_footprint.log" ;;
+    tier-copies)   # the host tier's copies: other streams' copies behind a large copy (copy engines, chunks,
+                   # streams, a copy kernel), and decode steps during a suspend / resume, kernel against memcpys
+      run copy_engine_probe timeout 150 python3 scripts/copy_engine_probe.py
+      run host_tier_overlap timeout 300 python3 scripts/host_tier_overlap.py --steps 50 --grids ${TIER_GRIDS:-8x512,4x512,2x512,8x256,4x256,1x512}
+      cat "$OUT/copy_engine_probe.log" "$OUT/host_tier_overlap.log" ;;
     probes)   # what a kernel pays to read a snapshot (pinned, device memory, parameters), and what a graph
               # replay would pay to carry it in its parameters (cuGraphExecKernelNodeSetParams)
       run snapshot_probe timeout 120 python3 scripts/snapshot_probe.py

@@ -1240,3 +1240,44 @@ def test_a_suspend_copy_in_flight_is_not_a_step_in_flight(backend_name):
     mgr.synchronize()
     assert [t.id for t in mgr.steps_in_flight] == []
     mgr.settle(s)
+
+
+@pytest.mark.parametrize("unit", [1, 3, 16, 48, 1040])
+def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
+    """backend.copy_runs (the host tier's copies; on CUDA one cupykv_copy_runs launch) against NumPy slicing:
+    runs of adjacent units from a random pairing of host and device units (unaligned offsets for the odd
+    unit sizes, more runs than a block stages at once), both directions; units outside the runs keep their
+    bytes; an out-of-range run raises before anything is enqueued."""
+    from cupykv.backends import make_backend
+    from cupykv.host_tier import _runs
+    from cupykv.kernels import TIER_COPY_RUNS_PER_STAGE
+    be = make_backend(backend_name)
+    rng = np.random.default_rng(unit)
+    units = 2 * TIER_COPY_RUNS_PER_STAGE + 100
+    host = be.pinned_bytes(units * unit)
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    dev_start = rng.integers(0, 256, units * unit, dtype=np.uint8)
+    dev = be.upload(dev_start)
+    moved = rng.choice(units, size=units - 7, replace=False)            # device units -> host units
+    to = rng.permutation(units)[:len(moved)]
+    keep = rng.random(len(moved)) < 0.4                                 # some units move as runs of their neighbours
+    moved[keep], to[keep] = np.sort(moved[keep]), np.sort(to[keep])
+    runs = _runs(moved, to)                                             # (device unit, host unit, n)
+    assert len(runs) > TIER_COPY_RUNS_PER_STAGE
+    expected = host.copy().reshape(units, unit)
+    expected[to] = dev_start.reshape(units, unit)[moved]
+    be.copy_runs(host, dev, [(h, d, n) for d, h, n in runs], unit, be.stream)
+    be.synchronize()
+    np.testing.assert_array_equal(host.reshape(units, unit), expected)
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)            # and back: host units -> device units
+    expected = dev_start.reshape(units, unit).copy()
+    expected[moved] = host.reshape(units, unit)[to]
+    be.copy_runs(dev, host, runs, unit, be.stream)
+    be.synchronize()
+    np.testing.assert_array_equal(be.to_numpy(dev).reshape(units, unit), expected)
+    before = host.copy()
+    for bad in ([(units - 1, 0, 2)], [(0, -1, 1)], [(0, 0, -1)]):
+        with pytest.raises(ValueError, match="out of range"):
+            be.copy_runs(host, dev, runs[:3] + bad, unit, be.stream)
+    be.synchronize()
+    np.testing.assert_array_equal(host, before)

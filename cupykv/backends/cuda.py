@@ -21,7 +21,7 @@ import numpy as np
 from cupy.cuda import driver, runtime
 
 from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
-                       module_of, module_source)
+                       TIER_COPY_BLOCKS, TIER_COPY_THREADS, module_of, module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 
@@ -671,17 +671,36 @@ class CudaBackend:
             runtime.memcpyAsync(_address(dst), _address(src), src.nbytes, MEMCPY_DEFAULT, stream.ptr)
 
     def copy_runs(self, dst, src, runs, unit_bytes: int, stream: cupy.cuda.Stream) -> None:
-        """For each (dst_start, src_start, n) of `runs`, copy n units of unit_bytes from contiguous `src` to
-        contiguous `dst` (pinned host or device), in `stream` order; addresses are computed once, so a
-        run costs one memcpyAsync call (the same rules as copy_bytes)."""
+        """For each (dst_start, src_start, n) of `runs` (disjoint), copy n units of unit_bytes from contiguous
+        `src` to contiguous `dst` (pinned host or device), in `stream` order, the same rules as copy_bytes.
+
+        Device to host, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every run with the SMs: a
+        copy engine running a large device-to-host copy starts no other stream's copy in that direction
+        until it is done, so memcpys would hold up an engine's per-step copies for the whole move. Its runs
+        go to the kernel in a pinned buffer kept until an event after the launch has completed. The other
+        way, where a copy engine moves more and did not hold up other streams, one memcpyAsync per run."""
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError("copy_runs: needs contiguous arrays")
-        dst_ptr, src_ptr, dst_n, src_n = _address(dst), _address(src), dst.nbytes, src.nbytes
-        for d0, s0, n in runs:
-            if (d0 + n) * unit_bytes > dst_n or (s0 + n) * unit_bytes > src_n or min(d0, s0, n) < 0:
-                raise ValueError(f"copy_runs: run {(d0, s0, n)} of {unit_bytes} B units is out of range")
-            runtime.memcpyAsync(dst_ptr + d0 * unit_bytes, src_ptr + s0 * unit_bytes, n * unit_bytes, MEMCPY_DEFAULT,
-                                stream.ptr)
+        table = np.array(list(runs), np.int64).reshape(-1, 3)
+        d0, s0, n = table.T
+        bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | ((d0 + n) * unit_bytes > dst.nbytes)
+                             | ((s0 + n) * unit_bytes > src.nbytes))
+        if len(bad):
+            raise ValueError(f"copy_runs: run {tuple(table[bad[0]].tolist())} of {unit_bytes} B units is out of range")
+        if not len(table):
+            return
+        dst_ptr, src_ptr = _address(dst), _address(src)
+        if not (isinstance(src, cupy.ndarray) and isinstance(dst, np.ndarray)):
+            for d, s, nbytes in (table * unit_bytes).tolist():
+                runtime.memcpyAsync(dst_ptr + d, src_ptr + s, nbytes, MEMCPY_DEFAULT, stream.ptr)
+            return
+        pinned = cupyx.empty_pinned(table.shape, np.int64)
+        np.multiply(table, unit_bytes, out=pinned)           # byte offsets and sizes
+        with self.device_context():
+            self._kernel("cupykv_copy_runs")((TIER_COPY_BLOCKS,), (TIER_COPY_THREADS,), (
+                np.uint64(pinned.ctypes.data), np.int32(len(table)), np.uint64(dst_ptr), np.uint64(src_ptr)),
+                stream=stream)
+        self.keep_until(self.record(stream), pinned)
 
     def copy_d2d(self, dst: cupy.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
@@ -889,7 +908,7 @@ class CudaBackend:
         return hit[0]
 
     def load_kernels(self, *modules: str) -> None:
-        """Compile and fully load kernel modules now: 'step', 'kv_write', 'gate' (default: all of them).
+        """Compile and fully load kernel modules now: 'step', 'kv_write', 'tier_copy', 'gate' (default: all).
 
         Compiling happens once per process (CuPy keeps the binary on disk and the module in memory);
         loading finishes each function on the device (finish_loading; not with preload=False), which may

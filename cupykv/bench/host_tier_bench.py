@@ -5,14 +5,14 @@ bfloat16, tokens_per_block 32: a slot of either group is 18 layers x K/V x 32 x 
 and one request of --prompt tokens (default 128k), moved to the host tier and back with
 KVStorage(mgr, host_tier_bytes=N).suspend / resume. Everything is measured in one run:
 
-  contiguous        the request prefilled alone, so its device slots are one run per group (a copy per
-                    group and direction); suspend (D2H) and resume (H2D), --reps each (after one untimed
+  contiguous        the request prefilled alone, so its device slots are one run per group; suspend (D2H) and resume (H2D), --reps each (after one untimed
                     round trip): device time between CUDA timing events recorded on the tier's stream
                     (storage.host_tier.stream) right before the call and right after it (the call's first
                     copy to its last), host enqueue time of the call, bytes (the tier's byte counters) and
-                    copies (runs of adjacent device and host slots).
+                    runs (of slots adjacent on both sides; on CUDA one copy kernel per group moves all of a
+                    group's runs to the host, a memcpy per run back: backends/cuda.py copy_runs).
   fragmented        the same request prefilled in lockstep with another one, --frag-run slots at a time,
-                    so its slots of a full-attention group alternate with the other's: one copy per run.
+                    so its slots of a full-attention group alternate with the other's: one run per slot.
   whole-sequence    a spec with every layer full attention, same size otherwise: what a tier that moves
                     every block (not only the sliding window's) copies. The real request's sliding-window
                     group moves only its sinks and in-window blocks.
@@ -20,7 +20,9 @@ KVStorage(mgr, host_tier_bytes=N).suspend / resume. Everything is measured in on
                     and a device buffer, each direction, timed the same way: the bandwidth to compare with.
   overlap           --bg-requests other requests of --bg-ctx tokens decode while the copy runs: each step is
                     prepare_batch, a stand-in for its attention (a reduction kernel over the other requests'
-                    full-attention KV, on the manager stream), finish, a host wait for the step, settle. The
+                    full-attention KV, on the manager stream) between the copies an engine makes every
+                    step (a token per request up from pinned host memory before it and back after it:
+                    memcpys on the manager stream), finish, a host wait for the step, settle. The
                     copy alone, the steps alone (as many as take about as long as the copy) and both
                     together (wall time from the suspend/resume call until the copy and the steps are done);
                     overlap = (alone + alone - together) / the shorter one (1.0: perfect).
@@ -255,6 +257,8 @@ class _Decoder:
         self.kv = arr.reshape(-1).view(be.xp.int32)
         self.bytes = int(self.kv.nbytes)
         self.be = be
+        self.tokens = be.device_full((len(rids),), 0, np.int32)       # the input and sampled tokens' stand-in
+        self.tokens_host = be.pinned_bytes(self.tokens.nbytes).view(np.int32)
         if be.name == "cuda":
             with be.stream:
                 self.kv.sum()                      # compile and load the reduction before timing
@@ -275,7 +279,9 @@ class _Decoder:
         t0 = time.perf_counter()
         for _ in range(n):
             step = mgr.prepare_batch(generation=self.rids)
+            self.be.copy_bytes(self.tokens, self.tokens_host, self.be.stream)
             self._attention()
+            self.be.copy_bytes(self.tokens_host, self.tokens, self.be.stream)
             step.finish()
             step.finished.synchronize()
             mgr.settle(step)
@@ -358,7 +364,7 @@ def evaluate_host_tier_targets(result: dict) -> List[dict]:
     for r in copies:
         if r["case"] not in ("contiguous", "fragmented"):
             continue
-        cfg = f"{r['case']} {r['direction']} ({r['copies']} copies)"
+        cfg = f"{r['case']} {r['direction']} ({r['copies']} runs)"
         if r["host_us"]:
             v = r["host_us"]["median"]
             out.append(dict(target="host enqueue of suspend()/resume() < 1 ms", config=cfg, value=v, limit=1000.0,

@@ -297,7 +297,7 @@ def prefix_markdown(result: dict) -> str:
                      + _tail(result, True))
 
 
-COPY_HEADER = ("case", "direction", "MiB", "copies", "host enqueue us med [p10-p90]", "device ms med [p10-p90]",
+COPY_HEADER = ("case", "direction", "MiB", "runs", "host enqueue us med [p10-p90]", "device ms med [p10-p90]",
                "GB/s", "vs memcpy")
 OVERLAP_HEADER = ("copy", "steps x batch", "copy alone ms", "steps alone ms", "sum ms", "together ms", "overlap",
                   "copy device ms alone / during", "steps ms during")

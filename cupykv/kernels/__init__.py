@@ -4,6 +4,7 @@
   for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
   (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
+- tier_copy.cu: the host tier's copies to the host (cupykv_copy_runs).
 - gate.cu: the test gate (cupykv_gate).
 
 backends/cuda.py compiles each file as its own CuPy RawModule. Constants that Python and a kernel both
@@ -34,6 +35,13 @@ STEP_SYNC_WORDS = 4
 # the whole struct into every launch).
 INLINE_SNAPSHOT_WORDS = 960
 
+# cupykv_copy_runs' launch: a few blocks already move as much as the bus carries (docs/host_profile.md, "The
+# host tier's copies and the copy engines") and leave the other SMs to the model; each block stages this
+# many runs at a time in shared memory (24 bytes each).
+TIER_COPY_BLOCKS = 8
+TIER_COPY_THREADS = 512
+TIER_COPY_RUNS_PER_STAGE = 256
+
 
 class KernelModule(NamedTuple):
     file: str                                   # under cupykv/kernels/
@@ -47,10 +55,16 @@ def _step_prelude() -> str:
             f"constexpr int STEP_SYNC_WORDS = {STEP_SYNC_WORDS};\n")
 
 
+def _tier_copy_prelude() -> str:
+    return (f"constexpr int TIER_COPY_THREADS = {TIER_COPY_THREADS};\n"
+            f"constexpr int TIER_COPY_RUNS_PER_STAGE = {TIER_COPY_RUNS_PER_STAGE};\n")
+
+
 MODULES: Dict[str, KernelModule] = {
     "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step",
                                     "cupykv_step_inline"), _step_prelude),
     "kv_write": KernelModule("kv_write.cu", ("cupykv_write_kv_u16", "cupykv_write_kv_u32")),
+    "tier_copy": KernelModule("tier_copy.cu", ("cupykv_copy_runs",), _tier_copy_prelude),
     "gate": KernelModule("gate.cu", ("cupykv_gate",)),
 }
 
