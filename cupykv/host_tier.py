@@ -40,7 +40,7 @@ class _Suspended:
 
 
 def _runs(a: np.ndarray, b: np.ndarray) -> List[Tuple[int, int, int]]:
-    """(a0, b0, n): maximal runs where a and b both step by one, so one copy moves n slots."""
+    """(a0, b0, n): maximal runs where a and b both step by one, each moved as one piece of a copy_runs."""
     if len(a) == 0:
         return []
     breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1

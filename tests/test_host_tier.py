@@ -1244,26 +1244,30 @@ def test_a_suspend_copy_in_flight_is_not_a_step_in_flight(backend_name):
 
 @pytest.mark.parametrize("unit", [1, 3, 16, 48, 1040])
 def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
-    """backend.copy_runs (the host tier's copies; on CUDA one cupykv_copy_runs launch) against NumPy slicing:
-    runs of adjacent units from a random pairing of host and device units (unaligned offsets for the odd
-    unit sizes, more runs than a block stages at once), both directions; units outside the runs keep their
-    bytes; an out-of-range run raises before anything is enqueued."""
+    """backend.copy_runs (the host tier's copies; on CUDA a cupykv_copy_runs launch to the host) against
+    NumPy slicing, both directions: one long run (longer than one pass of the kernel's grid, in bytes and
+    in 16-byte words; unaligned on the host side for the odd unit sizes) beside runs of adjacent units
+    from a random pairing of the other host and device units (more runs than a block stages); units outside
+    the runs keep their bytes; malformed and out-of-range runs raise before anything is enqueued."""
     from cupykv.backends import make_backend
     from cupykv.host_tier import _runs
-    from cupykv.kernels import TIER_COPY_RUNS_PER_STAGE
+    from cupykv.kernels import TIER_COPY_BLOCKS, TIER_COPY_RUNS_PER_STAGE, TIER_COPY_THREADS
     be = make_backend(backend_name)
     rng = np.random.default_rng(unit)
-    units = 2 * TIER_COPY_RUNS_PER_STAGE + 100
+    long_run = -(-(TIER_COPY_BLOCKS * TIER_COPY_THREADS + 1) // 16) * 16      # > a grid pass in bytes and words
+    units = long_run + 2 * TIER_COPY_RUNS_PER_STAGE + 100
     host = be.pinned_bytes(units * unit)
     host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
     dev_start = rng.integers(0, 256, units * unit, dtype=np.uint8)
     dev = be.upload(dev_start)
-    moved = rng.choice(units, size=units - 7, replace=False)            # device units -> host units
-    to = rng.permutation(units)[:len(moved)]
+    moved = long_run + rng.choice(units - long_run, size=units - long_run - 7, replace=False)   # device -> host
+    host_rest = np.concatenate([[0], np.arange(long_run + 1, units)])   # the long run takes host units 1..long_run
+    to = host_rest[rng.permutation(len(host_rest))[:len(moved)]]
     keep = rng.random(len(moved)) < 0.4                                 # some units move as runs of their neighbours
     moved[keep], to[keep] = np.sort(moved[keep]), np.sort(to[keep])
-    runs = _runs(moved, to)                                             # (device unit, host unit, n)
-    assert len(runs) > TIER_COPY_RUNS_PER_STAGE
+    runs = [(0, 1, long_run)] + _runs(moved, to)                        # (device unit, host unit, n)
+    moved, to = np.concatenate([np.arange(long_run), moved]), np.concatenate([np.arange(1, long_run + 1), to])
+    assert len(runs) > TIER_COPY_RUNS_PER_STAGE + 1
     expected = host.copy().reshape(units, unit)
     expected[to] = dev_start.reshape(units, unit)[moved]
     be.copy_runs(host, dev, [(h, d, n) for d, h, n in runs], unit, be.stream)
@@ -1276,8 +1280,11 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     be.synchronize()
     np.testing.assert_array_equal(be.to_numpy(dev).reshape(units, unit), expected)
     before = host.copy()
-    for bad in ([(units - 1, 0, 2)], [(0, -1, 1)], [(0, 0, -1)]):
+    for bad in ([(units - 1, 0, 2)], [(0, units - 1, 2)], [(0, -1, 1)], [(0, 0, -1)], [(2 ** 61, 0, 1)]):
         with pytest.raises(ValueError, match="out of range"):
             be.copy_runs(host, dev, runs[:3] + bad, unit, be.stream)
+    if backend_name == "cuda":      # (the host backend takes any iterable of triples)
+        with pytest.raises(ValueError, match="triples"):
+            be.copy_runs(host, dev, [(0, 0), (1, 1), (2, 2)], unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(host, before)

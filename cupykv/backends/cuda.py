@@ -672,19 +672,25 @@ class CudaBackend:
 
     def copy_runs(self, dst, src, runs, unit_bytes: int, stream: cupy.cuda.Stream) -> None:
         """For each (dst_start, src_start, n) of `runs` (disjoint), copy n units of unit_bytes from contiguous
-        `src` to contiguous `dst` (pinned host or device), in `stream` order, the same rules as copy_bytes.
+        `src` to contiguous `dst` (pinned host or device: a host buffer must be pinned), in `stream` order,
+        the same rules as copy_bytes.
 
-        Device to host, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every run with the SMs: a
-        copy engine running a large device-to-host copy starts no other stream's copy in that direction
-        until it is done, so memcpys would hold up an engine's per-step copies for the whole move. Its runs
-        go to the kernel in a pinned buffer kept until an event after the launch has completed. The other
-        way, where a copy engine moves more and did not hold up other streams, one memcpyAsync per run."""
+        Device to host, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every run with the SMs,
+        which write the pinned buffer at its device address: a copy engine running a large device-to-host
+        copy starts no other stream's copy in that direction until it is done, so memcpys would hold up an
+        engine's per-step copies for the whole move. Its runs go to the kernel in a pinned buffer kept until
+        an event after the launch has completed. The other way, one memcpyAsync per run: there a copy engine
+        moves more and held up no other stream in the measurements (docs/host_profile.md)."""
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError("copy_runs: needs contiguous arrays")
-        table = np.array(list(runs), np.int64).reshape(-1, 3)
+        table = np.array(list(runs), np.int64)
+        if table.size and (table.ndim != 2 or table.shape[1] != 3):
+            raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {table.shape}")
+        table = table.reshape(-1, 3)
         d0, s0, n = table.T
-        bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | ((d0 + n) * unit_bytes > dst.nbytes)
-                             | ((s0 + n) * unit_bytes > src.nbytes))
+        dst_units, src_units = dst.nbytes // unit_bytes, src.nbytes // unit_bytes   # in units: no overflow
+        bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | (d0 > dst_units) | (s0 > src_units)
+                             | (n > dst_units - d0) | (n > src_units - s0))
         if len(bad):
             raise ValueError(f"copy_runs: run {tuple(table[bad[0]].tolist())} of {unit_bytes} B units is out of range")
         if not len(table):

@@ -5,7 +5,8 @@ bfloat16, tokens_per_block 32: a slot of either group is 18 layers x K/V x 32 x 
 and one request of --prompt tokens (default 128k), moved to the host tier and back with
 KVStorage(mgr, host_tier_bytes=N).suspend / resume. Everything is measured in one run:
 
-  contiguous        the request prefilled alone, so its device slots are one run per group; suspend (D2H) and resume (H2D), --reps each (after one untimed
+  contiguous        the request prefilled alone, so its device slots are one run per group; suspend (D2H)
+                    and resume (H2D), --reps each (after one untimed
                     round trip): device time between CUDA timing events recorded on the tier's stream
                     (storage.host_tier.stream) right before the call and right after it (the call's first
                     copy to its last), host enqueue time of the call, bytes (the tier's byte counters) and
@@ -110,7 +111,7 @@ class _Clock:
 
 
 def _copies(dev_slots: List[np.ndarray], host_slots: List[np.ndarray]) -> Optional[int]:
-    """Copies a move makes: runs where device and host slots both step by one (host_tier._runs)."""
+    """The runs a move makes: where device and host slots both step by one (host_tier._runs)."""
     try:
         from ..host_tier import _runs
         return sum(len(_runs(np.asarray(d, np.int64), np.asarray(h, np.int64))) for d, h in zip(dev_slots, host_slots))

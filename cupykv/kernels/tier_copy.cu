@@ -29,7 +29,8 @@ cupykv_copy_runs(const long long* __restrict__ runs, int num_runs, unsigned char
             const unsigned char* s = src + stage[3 * r + 1];
             const long long n = stage[3 * r + 2];
             const unsigned long long align = reinterpret_cast<unsigned long long>(d) |
-                                             reinterpret_cast<unsigned long long>(s) | static_cast<unsigned long long>(n);
+                                             reinterpret_cast<unsigned long long>(s) |
+                                             static_cast<unsigned long long>(n);
             if ((align & 15) == 0) {
                 uint4* d16 = reinterpret_cast<uint4*>(d);
                 const uint4* s16 = reinterpret_cast<const uint4*>(s);
