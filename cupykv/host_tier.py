@@ -5,10 +5,9 @@ head_dim]), so a request moves as runs of adjacent slots, one backend.copy_runs 
 on the tier's own copy stream, overlapping with other steps' device work. On CUDA a copy to the host is
 one copy kernel, not memcpys: a copy engine busy with a large device-to-host copy holds up the small
 copies other streams make in that direction meanwhile (an engine's sampled tokens each step) until it is
-done (backends/cuda.py, copy_runs). Both directions follow the rule the
-snapshots follow: nobody writes a copy's source or destination until the event after it has completed,
-and no pinned buffer is dropped while a copy may touch it (the pool is allocated once, for the life of
-the tier).
+done (backends/cuda.py, copy_runs). Both directions follow the rule the snapshots follow: nobody writes a
+copy's source or destination until the event after it has completed, and no pinned buffer is dropped
+while a copy may touch it (the pool is allocated once, for the life of the tier).
 
     suspend: copy stream waits for the latest step's finish (every step that wrote the KV came before)
              D2H copies of the resident blocks -> `copied` event

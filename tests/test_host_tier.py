@@ -1283,7 +1283,7 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     for bad in ([(units - 1, 0, 2)], [(0, units - 1, 2)], [(0, -1, 1)], [(0, 0, -1)], [(2 ** 61, 0, 1)]):
         with pytest.raises(ValueError, match="out of range"):
             be.copy_runs(host, dev, runs[:3] + bad, unit, be.stream)
-    if backend_name == "cuda":      # (the host backend takes any iterable of triples)
+    if backend_name == "cuda":      # (where a malformed table would reach the kernel)
         with pytest.raises(ValueError, match="triples"):
             be.copy_runs(host, dev, [(0, 0), (1, 1), (2, 2)], unit, be.stream)
     be.synchronize()

@@ -24,6 +24,7 @@ from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS
                        TIER_COPY_BLOCKS, TIER_COPY_THREADS, module_of, module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
+from .runs import run_table
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
 # kernel grid-strides and reads its counts from the snapshot, so a cap only bounds the grid; about 32 blocks
@@ -683,16 +684,7 @@ class CudaBackend:
         moves more and held up no other stream in the measurements (docs/host_profile.md)."""
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError("copy_runs: needs contiguous arrays")
-        table = np.array(list(runs), np.int64)
-        if table.size and (table.ndim != 2 or table.shape[1] != 3):
-            raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {table.shape}")
-        table = table.reshape(-1, 3)
-        d0, s0, n = table.T
-        dst_units, src_units = dst.nbytes // unit_bytes, src.nbytes // unit_bytes   # in units: no overflow
-        bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | (d0 > dst_units) | (s0 > src_units)
-                             | (n > dst_units - d0) | (n > src_units - s0))
-        if len(bad):
-            raise ValueError(f"copy_runs: run {tuple(table[bad[0]].tolist())} of {unit_bytes} B units is out of range")
+        table = run_table(runs, unit_bytes, dst.nbytes, src.nbytes)
         if not len(table):
             return
         dst_ptr, src_ptr = _address(dst), _address(src)

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import CupykvError
 from ..staging import BAD, MODE_DELTA, MODE_FULL, unpack_snapshot
 from .plan import StepPlan
+from .runs import run_table
 
 
 def available_memory_bytes() -> Optional[int]:
@@ -242,10 +243,7 @@ class HostBackend:
     def copy_runs(self, dst: np.ndarray, src: np.ndarray, runs, unit_bytes: int, stream: SimStream) -> None:
         """copy_bytes for each (dst_start, src_start, n) run of unit_bytes units, when the queued copy runs."""
         d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
-        runs = list(runs)
-        for d0, s0, n in runs:
-            if (d0 + n) * unit_bytes > d.size or (s0 + n) * unit_bytes > s.size or min(d0, s0, n) < 0:
-                raise ValueError(f"copy_runs: run {(d0, s0, n)} of {unit_bytes} B units is out of range")
+        runs = run_table(runs, unit_bytes, d.size, s.size).tolist()
 
         def run():
             for d0, s0, n in runs:

@@ -1,0 +1,21 @@
+"""The runs of a backend's copy_runs (the host tier's copies), checked the same way on every backend."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def run_table(runs, unit_bytes: int, dst_nbytes: int, src_nbytes: int) -> np.ndarray:
+    """runs, (dst_start, src_start, n) triples in units of unit_bytes, as an int64 [num_runs, 3] table.
+    ValueError, before anything is copied, for anything but triples or for a run outside either buffer
+    (compared in units, so no product can wrap)."""
+    table = np.array(list(runs), np.int64)
+    if table.size and (table.ndim != 2 or table.shape[1] != 3):
+        raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {table.shape}")
+    table = table.reshape(-1, 3)
+    d0, s0, n = table.T
+    dst_units, src_units = dst_nbytes // unit_bytes, src_nbytes // unit_bytes
+    bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | (d0 > dst_units) | (s0 > src_units)
+                         | (n > dst_units - d0) | (n > src_units - s0))
+    if len(bad):
+        raise ValueError(f"copy_runs: run {tuple(table[bad[0]].tolist())} of {unit_bytes} B units is out of range")
+    return table
