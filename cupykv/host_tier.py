@@ -2,12 +2,13 @@
 
 A device slot of group g is one contiguous range of KVStorage.arrays[g] ([scale, tpb, kv_heads,
 head_dim]), so a request moves as runs of adjacent slots, one backend.copy_runs per group and direction
-on the tier's own copy stream, overlapping with other steps' device work. On CUDA a copy to the host is
-one copy kernel, not memcpys: a copy engine busy with a large device-to-host copy holds up the small
-copies other streams make in that direction meanwhile (an engine's sampled tokens each step) until it is
-done (backends/cuda.py, copy_runs). Both directions follow the rule the snapshots follow: nobody writes a
-copy's source or destination until the event after it has completed, and no pinned buffer is dropped
-while a copy may touch it (the pool is allocated once, for the life of the tier).
+on the tier's own copy stream, overlapping with other steps' device work. On CUDA each is one copy
+kernel, not memcpys: a copy engine busy with a large device-to-host copy holds up the small copies other
+streams make in that direction meanwhile (an engine's sampled tokens each step) until it is done, and a
+memcpy per run blocks the host once the stream's queue is full (backends/cuda.py, copy_runs). Both
+directions follow the rule the snapshots follow: nobody writes a copy's source or destination until the
+event after it has completed, and no pinned buffer is dropped while a copy may touch it (the pool is
+allocated once, for the life of the tier).
 
     suspend: copy stream waits for the latest step's finish (every step that wrote the KV came before)
              D2H copies of the resident blocks -> `copied` event
@@ -38,14 +39,12 @@ class _Suspended:
     copied: object                   # event after the D2H copies
 
 
-def _runs(a: np.ndarray, b: np.ndarray) -> List[Tuple[int, int, int]]:
-    """(a0, b0, n): maximal runs where a and b both step by one, each moved as one piece of a copy_runs."""
-    if len(a) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(a)]))
-    return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts.tolist(), ends.tolist())]
+def _runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int64 [num_runs, 3] rows (a0, b0, n): the maximal runs where a and b both step by one, each moved as
+    one piece of a copy_runs. One numpy pass: a fragmented 128k request has 4096 runs a group."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(a) != 1) | (np.diff(b) != 1)))) if len(a) else a
+    return np.stack((a[starts], b[starts], np.diff(np.append(starts, len(a)))), axis=1)
 
 
 class HostTier:
@@ -92,7 +91,7 @@ class HostTier:
                                     f"{len(self._free[p])} free and {cached[p]} holding cached blocks that "
                                     "would make way (the request stays resident)")
         # -- nothing has changed so far --
-        host = [np.array([self._take(p) for _ in range(len(b))], np.int64) for p, (b, _) in enumerate(resident)]
+        host = [self._take(p, len(b)) for p, (b, _) in enumerate(resident)]
         if after is not None:
             be.wait(self.stream, after)
         for p, ((_, dev), hs) in enumerate(zip(resident, host)):
@@ -141,12 +140,16 @@ class HostTier:
         self._returning.append((loaded, p, host_slots))
         return loaded
 
-    def _take(self, p: int) -> int:
-        """A host slot for a suspended request's block: a free one, else the least recently cached block's
-        (its block leaves the cache)."""
-        if self._free[p]:
-            return self._free[p].pop()
-        return self.cache.drop_host_block(p)
+    def _take(self, p: int, n: int) -> np.ndarray:
+        """n host slots of group p for a suspended request's blocks, as n pops would give them: free ones
+        (the top of the free list first), then the least recently cached blocks' (their blocks leave the
+        cache). suspend has checked that there are n."""
+        free = self._free[p]
+        k = min(n, len(free))
+        taken = free[len(free) - k:][::-1]      # a slice, not k pops: a 128k request is 4096 slots a group
+        del free[len(free) - k:]
+        taken += [self.cache.drop_host_block(p) for _ in range(n - k)]
+        return np.array(taken, np.int64)
 
     def forget(self, rid: Hashable) -> None:
         """The request was freed: its host slots return once its D2H copy has completed."""
@@ -178,9 +181,9 @@ class HostTier:
     # -- internals -------------------------------------------------------------------------------
     def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
         dev, host = self.storage.arrays[p], self.pools[p]
-        runs = _runs(np.asarray(dev_slots, np.int64), host_slots)       # (device slot, host slot, n)
+        runs = _runs(dev_slots, host_slots)       # (device slot, host slot, n)
         if to_host:
-            self.backend.copy_runs(host, dev, [(h0, d0, n) for d0, h0, n in runs], self.slot_bytes[p], self.stream)
+            self.backend.copy_runs(host, dev, runs[:, [1, 0, 2]], self.slot_bytes[p], self.stream)
         else:
             self.backend.copy_runs(dev, host, runs, self.slot_bytes[p], self.stream)
         moved = len(host_slots) * self.slot_bytes[p]

@@ -107,9 +107,10 @@ for part in $parts; do
       done
       cat "$OUT/process_footprint.log" ;;
     tier-copies)   # the host tier's copies: other streams' copies behind a large copy (copy engines, chunks,
-                   # streams, a copy kernel), and decode steps during a suspend / resume, kernel against memcpys
+                   # streams, a copy kernel), and decode steps during a suspend / resume: the library's copies,
+                   # the kernel at each of TIER_GRIDS both ways, memcpys; a fragmented request's calls
       run copy_engine_probe timeout 150 python3 scripts/copy_engine_probe.py
-      run host_tier_overlap timeout 300 python3 scripts/host_tier_overlap.py --steps 50 --grids ${TIER_GRIDS:-8x512,4x512,2x512,8x256,4x256,1x512}
+      run host_tier_overlap timeout 300 python3 scripts/host_tier_overlap.py --steps 50 --grids ${TIER_GRIDS:-4x512,8x512,16x512,32x512}
       cat "$OUT/copy_engine_probe.log" "$OUT/host_tier_overlap.log" ;;
     probes)   # what a kernel pays to read a snapshot (pinned, device memory, parameters), and what a graph
               # replay would pay to carry it in its parameters (cuGraphExecKernelNodeSetParams)

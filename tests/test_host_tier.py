@@ -1244,17 +1244,19 @@ def test_a_suspend_copy_in_flight_is_not_a_step_in_flight(backend_name):
 
 @pytest.mark.parametrize("unit", [1, 3, 16, 48, 1040])
 def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
-    """backend.copy_runs (the host tier's copies; on CUDA a cupykv_copy_runs launch to the host) against
-    NumPy slicing, both directions: one long run (longer than one pass of the kernel's grid, in bytes and
+    """backend.copy_runs (the host tier's copies; on CUDA a cupykv_copy_runs launch each way) against
+    NumPy slicing, both directions (runs as a list of triples one way, an array the other): one long run (longer than one pass of the kernel's grid, in bytes and
     in 16-byte words; unaligned on the host side for the odd unit sizes) beside runs of adjacent units
     from a random pairing of the other host and device units (more runs than a block stages); units outside
     the runs keep their bytes; malformed and out-of-range runs raise before anything is enqueued."""
     from cupykv.backends import make_backend
     from cupykv.host_tier import _runs
-    from cupykv.kernels import TIER_COPY_BLOCKS, TIER_COPY_RUNS_PER_STAGE, TIER_COPY_THREADS
+    from cupykv.kernels import (TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_RUNS_PER_STAGE,
+                                TIER_COPY_THREADS)
     be = make_backend(backend_name)
     rng = np.random.default_rng(unit)
-    long_run = -(-(TIER_COPY_BLOCKS * TIER_COPY_THREADS + 1) // 16) * 16      # > a grid pass in bytes and words
+    grid = max(TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_BLOCKS_TO_DEVICE) * TIER_COPY_THREADS
+    long_run = -(-(grid + 1) // 16) * 16        # > a pass of either direction's grid, in bytes and in words
     units = long_run + 2 * TIER_COPY_RUNS_PER_STAGE + 100
     host = be.pinned_bytes(units * unit)
     host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
@@ -1265,7 +1267,7 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     to = host_rest[rng.permutation(len(host_rest))[:len(moved)]]
     keep = rng.random(len(moved)) < 0.4                                 # some units move as runs of their neighbours
     moved[keep], to[keep] = np.sort(moved[keep]), np.sort(to[keep])
-    runs = [(0, 1, long_run)] + _runs(moved, to)                        # (device unit, host unit, n)
+    runs = [(0, 1, long_run)] + [tuple(r) for r in _runs(moved, to).tolist()]   # (device unit, host unit, n)
     moved, to = np.concatenate([np.arange(long_run), moved]), np.concatenate([np.arange(1, long_run + 1), to])
     assert len(runs) > TIER_COPY_RUNS_PER_STAGE + 1
     expected = host.copy().reshape(units, unit)
@@ -1276,15 +1278,70 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)            # and back: host units -> device units
     expected = dev_start.reshape(units, unit).copy()
     expected[moved] = host.reshape(units, unit)[to]
-    be.copy_runs(dev, host, runs, unit, be.stream)
+    be.copy_runs(dev, host, np.array(runs), unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(be.to_numpy(dev).reshape(units, unit), expected)
     before = host.copy()
     for bad in ([(units - 1, 0, 2)], [(0, units - 1, 2)], [(0, -1, 1)], [(0, 0, -1)], [(2 ** 61, 0, 1)]):
         with pytest.raises(ValueError, match="out of range"):
             be.copy_runs(host, dev, runs[:3] + bad, unit, be.stream)
-    if backend_name == "cuda":      # (where a malformed table would reach the kernel)
+    for bad in ([(0, 0), (1, 1), (2, 2)], np.zeros((2, 4), np.int64), np.zeros(3, np.int64)):
         with pytest.raises(ValueError, match="triples"):
-            be.copy_runs(host, dev, [(0, 0), (1, 1), (2, 2)], unit, be.stream)
+            be.copy_runs(host, dev, bad, unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(host, before)
+
+
+def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
+    """On a fresh tier a request's host slots are taken in ascending order, so device slots that are
+    adjacent stay adjacent on the host: each group's copy is as many runs as its device slots have
+    stretches of consecutive slots in block order (counted here from resident_blocks): one for the
+    full-attention group of a request prefilled alone. Taking the slots in any other order would copy slot by slot."""
+    rig = Rig(backend_name, slots=48)
+    mgr = rig.mgr
+    rig.add("a", 200)
+    rig.prefill(["a"], chunk=64)
+    mgr.synchronize()
+    dev = [np.asarray(s) for _, s in mgr.resident_blocks("a")]
+    stretches = [1 + int(np.count_nonzero(np.diff(d) != 1)) if len(d) else 0 for d in dev]
+    assert stretches[1] == 1 and len(dev[1]) == 25   # full attention, alone: its 25 slots in one stretch
+    calls = []
+    copy_runs = type(rig.be).copy_runs
+
+    def counting(self, dst, src, runs, unit_bytes, stream):
+        runs = list(runs)
+        calls.append(len(runs))
+        return copy_runs(self, dst, src, runs, unit_bytes, stream)
+
+    monkeypatch.setattr(type(rig.be), "copy_runs", counting)
+    rig.suspend("a")
+    assert calls == stretches
+    assert [sorted(h.tolist()) == h.tolist() for h in rig.tier.held["a"].host_slots] == [True] * 3
+    mgr.synchronize()
+    rig.check_host_kv("a")
+    calls.clear()
+    rig.resume("a")
+    mgr.synchronize()
+    dev = [np.asarray(s) for _, s in mgr.resident_blocks("a")]
+    assert calls == [1 + int(np.count_nonzero(np.diff(d) != 1)) if len(d) else 0 for d in dev]
+    rig.run(generation=["a"])
+    rig.check_rows()
+
+
+def test_runs_are_the_maximal_stretches_on_both_sides():
+    """host_tier._runs against a loop over the pairs: a run goes on while both sides step by one."""
+    from cupykv.host_tier import _runs
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        n = int(rng.integers(0, 14))
+        a = np.cumsum(rng.integers(0, 3, n)) + int(rng.integers(0, 4))
+        b = np.cumsum(rng.integers(1, 3, n))
+        expected = []
+        for x, y in zip(a.tolist(), b.tolist()):
+            if expected and x == expected[-1][0] + expected[-1][2] and y == expected[-1][1] + expected[-1][2]:
+                expected[-1][2] += 1
+            else:
+                expected.append([x, y, 1])
+        got = _runs(a, b)
+        assert got.dtype == np.int64 and got.shape == (len(expected), 3)
+        assert got.tolist() == expected

@@ -21,7 +21,8 @@ import numpy as np
 from cupy.cuda import driver, runtime
 
 from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
-                       TIER_COPY_BLOCKS, TIER_COPY_THREADS, module_of, module_source)
+                       TIER_COPY_BLOCKS_TO_DEVICE,
+                       TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of, module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 from .runs import run_table
@@ -676,29 +677,41 @@ class CudaBackend:
         `src` to contiguous `dst` (pinned host or device: a host buffer must be pinned), in `stream` order,
         the same rules as copy_bytes.
 
-        Device to host, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every run with the SMs,
-        which write the pinned buffer at its device address: a copy engine running a large device-to-host
-        copy starts no other stream's copy in that direction until it is done, so memcpys would hold up an
-        engine's per-step copies for the whole move. Its runs go to the kernel in a pinned buffer kept until
-        an event after the launch has completed. The other way, one memcpyAsync per run: there a copy engine
-        moves more and held up no other stream in the measurements (docs/host_profile.md)."""
+        Between host and device, either way, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every
+        run with the SMs, which read or write the pinned buffer at its device address, not memcpys: a copy
+        engine running a large device-to-host copy starts no other stream's copy in that direction until it
+        is done (it would hold up an engine's per-step copies for the whole move), and a memcpy per run
+        blocks the host once the stream's queue is full (80 ms for the 4100 runs of a fragmented 128k
+        request; docs/host_profile.md). The runs go to the kernel in a pinned buffer kept until an event
+        after the launch has completed. Device to device or host to host, one memcpyAsync per run."""
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError("copy_runs: needs contiguous arrays")
         table = run_table(runs, unit_bytes, dst.nbytes, src.nbytes)
         if not len(table):
             return
-        dst_ptr, src_ptr = _address(dst), _address(src)
-        if not (isinstance(src, cupy.ndarray) and isinstance(dst, np.ndarray)):
-            for d, s, nbytes in (table * unit_bytes).tolist():
-                runtime.memcpyAsync(dst_ptr + d, src_ptr + s, nbytes, MEMCPY_DEFAULT, stream.ptr)
-            return
+        to_host, to_device = isinstance(dst, np.ndarray), isinstance(dst, cupy.ndarray)
+        if (to_host and isinstance(src, cupy.ndarray)) or (to_device and isinstance(src, np.ndarray)):
+            self._copy_runs_by_kernel(dst, src, table, unit_bytes, stream,
+                                      TIER_COPY_BLOCKS_TO_HOST if to_host else TIER_COPY_BLOCKS_TO_DEVICE)
+        else:
+            self._copy_runs_by_memcpy(dst, src, table, unit_bytes, stream)
+
+    def _copy_runs_by_kernel(self, dst, src, table: np.ndarray, unit_bytes: int, stream: cupy.cuda.Stream,
+                             blocks: int) -> None:
+        """One cupykv_copy_runs launch of `blocks` blocks for a checked [num_runs, 3] table (run_table) in units."""
         pinned = cupyx.empty_pinned(table.shape, np.int64)
         np.multiply(table, unit_bytes, out=pinned)           # byte offsets and sizes
         with self.device_context():
-            self._kernel("cupykv_copy_runs")((TIER_COPY_BLOCKS,), (TIER_COPY_THREADS,), (
-                np.uint64(pinned.ctypes.data), np.int32(len(table)), np.uint64(dst_ptr), np.uint64(src_ptr)),
-                stream=stream)
+            self._kernel("cupykv_copy_runs")((blocks,), (TIER_COPY_THREADS,), (
+                np.uint64(pinned.ctypes.data), np.int32(len(table)), np.uint64(_address(dst)),
+                np.uint64(_address(src))), stream=stream)
         self.keep_until(self.record(stream), pinned)
+
+    def _copy_runs_by_memcpy(self, dst, src, table: np.ndarray, unit_bytes: int, stream: cupy.cuda.Stream) -> None:
+        """One memcpyAsync per run of a checked [num_runs, 3] table (run_table) in units."""
+        dst_ptr, src_ptr = _address(dst), _address(src)
+        for d, s, nbytes in (table * unit_bytes).tolist():
+            runtime.memcpyAsync(dst_ptr + d, src_ptr + s, nbytes, MEMCPY_DEFAULT, stream.ptr)
 
     def copy_d2d(self, dst: cupy.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):

@@ -5,10 +5,11 @@ import numpy as np
 
 
 def run_table(runs, unit_bytes: int, dst_nbytes: int, src_nbytes: int) -> np.ndarray:
-    """runs, (dst_start, src_start, n) triples in units of unit_bytes, as an int64 [num_runs, 3] table.
+    """runs, (dst_start, src_start, n) triples in units of unit_bytes (an iterable of triples or an
+    [num_runs, 3] integer array), as an int64 [num_runs, 3] table.
     ValueError, before anything is copied, for anything but triples or for a run outside either buffer
     (compared in units, so no product can wrap)."""
-    table = np.array(list(runs), np.int64)
+    table = np.array(runs if isinstance(runs, np.ndarray) else list(runs), np.int64)   # a copy: ours to keep
     if table.size and (table.ndim != 2 or table.shape[1] != 3):
         raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {table.shape}")
     table = table.reshape(-1, 3)

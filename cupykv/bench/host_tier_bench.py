@@ -10,8 +10,8 @@ KVStorage(mgr, host_tier_bytes=N).suspend / resume. Everything is measured in on
                     round trip): device time between CUDA timing events recorded on the tier's stream
                     (storage.host_tier.stream) right before the call and right after it (the call's first
                     copy to its last), host enqueue time of the call, bytes (the tier's byte counters) and
-                    runs (of slots adjacent on both sides; on CUDA one copy kernel per group moves all of a
-                    group's runs to the host, a memcpy per run back: backends/cuda.py copy_runs).
+                    runs (of slots adjacent on both sides; on CUDA one copy kernel per group and direction
+                    moves all of a group's runs: backends/cuda.py copy_runs).
   fragmented        the same request prefilled in lockstep with another one, --frag-run slots at a time,
                     so its slots of a full-attention group alternate with the other's: one run per slot.
   whole-sequence    a spec with every layer full attention, same size otherwise: what a tier that moves
@@ -114,7 +114,7 @@ def _copies(dev_slots: List[np.ndarray], host_slots: List[np.ndarray]) -> Option
     """The runs a move makes: where device and host slots both step by one (host_tier._runs)."""
     try:
         from ..host_tier import _runs
-        return sum(len(_runs(np.asarray(d, np.int64), np.asarray(h, np.int64))) for d, h in zip(dev_slots, host_slots))
+        return sum(len(_runs(d, h)) for d, h in zip(dev_slots, host_slots))
     except Exception:   # noqa: BLE001 - an internal helper; the count is informative only
         return None
 

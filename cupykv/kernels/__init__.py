@@ -4,7 +4,7 @@
   for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
   (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
-- tier_copy.cu: the host tier's copies to the host (cupykv_copy_runs).
+- tier_copy.cu: the host tier's copies, both ways (cupykv_copy_runs).
 - gate.cu: the test gate (cupykv_gate).
 
 backends/cuda.py compiles each file as its own CuPy RawModule. Constants that Python and a kernel both
@@ -35,10 +35,12 @@ STEP_SYNC_WORDS = 4
 # the whole struct into every launch).
 INLINE_SNAPSHOT_WORDS = 960
 
-# cupykv_copy_runs' launch: a few blocks already move as much as the bus carries (docs/host_profile.md, "The
-# host tier's copies and the copy engines") and leave the other SMs to the model; each block stages this
-# many runs at a time in shared memory (24 bytes each).
-TIER_COPY_BLOCKS = 8
+# cupykv_copy_runs' launch, per direction: the fewest blocks that move about as much as the bus carries, which
+# leaves the other SMs to the model (docs/host_profile.md, "The host tier's copies by kernel, both ways"):
+# writes to pinned memory need few in flight; reads from it wait a bus round trip each, so more blocks.
+# Each block stages TIER_COPY_RUNS_PER_STAGE runs at a time in shared memory (24 bytes each).
+TIER_COPY_BLOCKS_TO_HOST = 4
+TIER_COPY_BLOCKS_TO_DEVICE = 16
 TIER_COPY_THREADS = 512
 TIER_COPY_RUNS_PER_STAGE = 256
 

@@ -1,11 +1,13 @@
 // cupykv host-tier copies (cupykv/host_tier.py): cupykv_copy_runs.
 //
-// Copies runs of bytes from device memory to pinned host memory (or any other pair) with the SMs (under
+// Copies runs of bytes between device memory and pinned host memory, either way, with the SMs (under
 // unified addressing a pinned buffer's host address is a device address too), not with a copy engine.
 // On the H200 a copy engine running a large device-to-host copy starts no device-to-host copy of any
 // other stream until it has finished, chunked or not, so a suspend made of memcpys held up every small
-// copy an engine makes meanwhile (the sampled tokens of each step) for the whole suspend; this kernel
-// leaves the copy engines to them (docs/host_profile.md, "The host tier's copies and the copy engines").
+// copy an engine makes meanwhile (the sampled tokens of each step) for the whole suspend; and a memcpy
+// per run blocks the host once the stream's queue is full (a fragmented request: thousands of runs).
+// This kernel is one launch for all runs and leaves the copy engines to the engine's own copies
+// (docs/host_profile.md, "The host tier's copies by kernel, both ways").
 //
 // runs: [num_runs, 3] (destination byte offset, source byte offset, bytes), in pinned host memory.
 // Every block walks the runs in order, TIER_COPY_RUNS_PER_STAGE at a time through shared memory (one
