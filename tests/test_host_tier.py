@@ -1245,10 +1245,11 @@ def test_a_suspend_copy_in_flight_is_not_a_step_in_flight(backend_name):
 @pytest.mark.parametrize("unit", [1, 3, 16, 48, 1040])
 def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     """backend.copy_runs (the host tier's copies; on CUDA a cupykv_copy_runs launch each way) against
-    NumPy slicing, both directions (runs as a list of triples one way, an array the other): one long run (longer than one pass of the kernel's grid, in bytes and
-    in 16-byte words; unaligned on the host side for the odd unit sizes) beside runs of adjacent units
-    from a random pairing of the other host and device units (more runs than a block stages); units outside
-    the runs keep their bytes; malformed and out-of-range runs raise before anything is enqueued."""
+    NumPy slicing, both directions (runs as a list of triples one way, an array the other): one long run
+    (longer than one pass of the kernel's grid, in bytes and in 16-byte words; unaligned on the host side
+    for the odd unit sizes) beside runs of adjacent units from a random pairing of the other host and
+    device units (more runs than a block stages); units outside the runs keep their bytes; malformed and
+    out-of-range runs (on CUDA, a host buffer that is not pinned) raise before anything is enqueued."""
     from cupykv.backends import make_backend
     from cupykv.host_tier import _runs
     from cupykv.kernels import (TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_RUNS_PER_STAGE,
@@ -1288,8 +1289,60 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     for bad in ([(0, 0), (1, 1), (2, 2)], np.zeros((2, 4), np.int64), np.zeros(3, np.int64)):
         with pytest.raises(ValueError, match="triples"):
             be.copy_runs(host, dev, bad, unit, be.stream)
+    if backend_name == "cuda":      # the kernel reaches host memory at its device address: pinned only
+        pageable = np.zeros_like(host)
+        for dst, src in ((pageable, dev), (dev, pageable)):
+            with pytest.raises(ValueError, match="not pinned"):
+                be.copy_runs(dst, src, runs[:3], unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(host, before)
+
+
+@pytest.mark.parametrize("direction", ["to_host", "to_device"])
+@pytest.mark.parametrize("variant", ["safe", "unsafe"])
+def test_gated_cuda_copy_runs_keeps_its_runs_table(direction, variant, monkeypatch):
+    """CUDA: copy_runs hands its kernel the runs in a pinned table, kept (keep_until) until an event
+    after the launch. The copy's stream is held by a gate while the next pinned allocations of the
+    table's size are zeroed (CuPy's pinned pool hands a dropped block to the next allocation at once);
+    after the gate opens the runs must have moved. Unsafe: keep_until keeps nothing, the kernel reads a
+    zeroed table (runs of no bytes) and moves nothing, which proves the test sees the race."""
+    from conftest import backend_or_skip
+    from cupykv.backends import make_backend
+    import cupyx
+    be = make_backend(backend_or_skip("cuda"))
+    unit, units = 64, 256
+    rng = np.random.default_rng(11)
+    host = be.pinned_bytes(units * unit)
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    dev_start = rng.integers(0, 256, units * unit, dtype=np.uint8)
+    dev = be.upload(dev_start)
+    runs = np.array([(0, 5, 10), (20, 100, 30), (200, 40, 7)], np.int64)       # (dst unit, src unit, n)
+    dst, src = (host, dev) if direction == "to_host" else (dev, host)
+    src_units = (dev_start if direction == "to_host" else host.copy()).reshape(units, unit)
+    start = (host.copy() if direction == "to_host" else dev_start).reshape(units, unit)
+    expected = start.copy()
+    for d0, s0, n in runs.tolist():
+        expected[d0:d0 + n] = src_units[s0:s0 + n]
+    stream = be.new_stream("copies")
+    be.copy_runs(dst, src, [(0, 0, 0)], unit, stream)          # loads the kernel before the gate
+    warm = [cupyx.empty_pinned(runs.shape, np.int64) for _ in range(8)]   # free blocks in the pool, so the
+    del warm                                                 # gated allocations below need no cudaHostAlloc
+    stream.synchronize()
+    if variant == "unsafe":
+        monkeypatch.setattr(type(be), "keep_until", lambda self, event, *objs: None)
+    gate = be.gate(stream)
+    be.copy_runs(dst, src, runs, unit, stream)
+    scratch = [cupyx.empty_pinned(runs.shape, np.int64) for _ in range(8)]
+    for buf in scratch:
+        buf[...] = 0
+    gate.open()
+    stream.synchronize()
+    assert not gate.close_timeout_hit()
+    got = (host if direction == "to_host" else be.to_numpy(dev)).reshape(units, unit)
+    if variant == "safe":
+        np.testing.assert_array_equal(got, expected)
+    else:
+        assert np.array_equal(got, start), "the unsafe variant's kernel read its runs: the test sees no race"
 
 
 def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
