@@ -37,7 +37,8 @@ for part in $parts; do
     gpu-tests)   # the tests that touch the GPU (the rest is host-only and runs in CI); GPU_TESTS_TIMEOUT (s)
       run pytest_gpu timeout ${GPU_TESTS_TIMEOUT:-360} python3 -m pytest -q -ra -p no:cacheprovider tests/test_cuda_kernels.py \
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
-          tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py tests/test_devices.py ;;
+          tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py tests/test_devices.py \
+          tests/test_host_tier.py tests/test_cache_host_tier.py ;;
     sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all;
                 # SANITIZE_TESTS / SANITIZE_K: other test files / another -k selection
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

@@ -60,7 +60,7 @@ def option(name, default):
 
 
 def main():
-    prompt, n = option("--prompt", 131072), option("--steps", 60)
+    prompt, n, rounds = option("--prompt", 131072), option("--steps", 60), option("--rounds", 2)
     s = HostTierSettings(prompt=prompt, backend="cuda", frag_run=0, whole=False)
     tpb, blocks = s.tpb, cdiv(prompt, s.tpb)
     swa_keep = cdiv(128, tpb) + 2
@@ -68,7 +68,7 @@ def main():
     library = Backend.copy_runs
     cases = ([("library", library, 0, 0)] + [(f"kernel {b}x{t}", kernel_runs, b, t) for b, t in grids]
              + [("memcpy", memcpy_runs, 0, 0)])
-    bg_len = s.bg_ctx + 2 * 3 * len(cases) * n + 64        # the other requests grow a token a step
+    bg_len = s.bg_ctx + rounds * 3 * len(cases) * n + 64        # the other requests grow a token a step
     max_batch = s.bg_requests + 4
     rig = _Rig(SHAPES["gpt-oss-120b"].windows, SHAPES["gpt-oss-120b"], s,
                cdiv(max(prompt, bg_len) + 2 * tpb, tpb) * tpb, max_batch,
@@ -82,7 +82,7 @@ def main():
         mgr.add(rid, s.bg_ctx)
     _prefill(mgr, {rid: s.bg_ctx for rid in bg}, s.chunk)
     dec = _Decoder(rig, bg)
-    for copies, impl, grid_blocks, threads in cases * option("--rounds", 2):
+    for copies, impl, grid_blocks, threads in cases * rounds:
         use(impl, grid_blocks, threads)
         for label in ("alone", "suspend", "resume"):
             want_suspended = label == "resume"
@@ -123,7 +123,7 @@ def main():
         use(impl, grid_blocks, threads)
         out = _round_trips(rig, "B", 3, clock)
         print(f"fragmented, copies by {copies:16s}: " + " | ".join(
-            f"{d} call {np.median(out[d]['host_us']):8.1f} us, device {np.median(out[d]['device_ms']):6.2f} ms "
+            f"{d} of {int(np.median(out[d]['copies']))} runs: call {np.median(out[d]['host_us']):8.1f} us, device {np.median(out[d]['device_ms']):6.2f} ms "
             f"({np.median(out[d]['bytes']) / np.median(out[d]['device_ms']) / 1e6:4.1f} GB/s)" for d in out))
     use(library, 0, 0)
     for label in ("suspend", "resume"):        # where the library's call spends its host time

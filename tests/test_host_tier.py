@@ -1249,8 +1249,10 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     (longer than one pass of the kernel's grid, in bytes and in 16-byte words; unaligned on the host side
     for the odd unit sizes) beside runs of adjacent units from a random pairing of the other host and
     device units (more runs than a block stages); units outside the runs keep their bytes; malformed and
-    out-of-range runs (on CUDA, a host buffer that is not pinned) raise before anything is enqueued."""
+    out-of-range runs (and runs that are not integers; on CUDA, a host buffer that is not pinned) raise
+    before anything is enqueued; the table of runs is the backend's own copy."""
     from cupykv.backends import make_backend
+    from cupykv.backends.runs import run_table
     from cupykv.host_tier import _runs
     from cupykv.kernels import (TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_RUNS_PER_STAGE,
                                 TIER_COPY_THREADS)
@@ -1282,20 +1284,29 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     be.copy_runs(dev, host, np.array(runs), unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(be.to_numpy(dev).reshape(units, unit), expected)
-    before = host.copy()
+    before, dev_before = host.copy(), be.to_numpy(dev)
     for bad in ([(units - 1, 0, 2)], [(0, units - 1, 2)], [(0, -1, 1)], [(0, 0, -1)], [(2 ** 61, 0, 1)]):
         with pytest.raises(ValueError, match="out of range"):
             be.copy_runs(host, dev, runs[:3] + bad, unit, be.stream)
-    for bad in ([(0, 0), (1, 1), (2, 2)], np.zeros((2, 4), np.int64), np.zeros(3, np.int64)):
+    for bad in ([(0, 0), (1, 1), (2, 2)], np.zeros((2, 4), np.int64), np.zeros(3, np.int64),
+                np.zeros((0, 4), np.int64)):
         with pytest.raises(ValueError, match="triples"):
             be.copy_runs(host, dev, bad, unit, be.stream)
+    for bad in (np.array([(0.7, 0, 1.9)]), np.array([(2 ** 63, 0, 1)], np.uint64), [(0, 0, 2 ** 64)]):
+        with pytest.raises(ValueError, match="integers"):
+            be.copy_runs(host, dev, bad, unit, be.stream)
+    pageable = np.zeros_like(host)
     if backend_name == "cuda":      # the kernel reaches host memory at its device address: pinned only
-        pageable = np.zeros_like(host)
         for dst, src in ((pageable, dev), (dev, pageable)):
             with pytest.raises(ValueError, match="not pinned"):
                 be.copy_runs(dst, src, runs[:3], unit, be.stream)
     be.synchronize()
     np.testing.assert_array_equal(host, before)
+    np.testing.assert_array_equal(be.to_numpy(dev), dev_before)
+    assert not pageable.any()
+    given = np.array(runs)
+    table = run_table(given, unit, host.nbytes, host.nbytes)
+    assert np.array_equal(table, given) and not np.shares_memory(table, given)    # a copy: the caller's to change
 
 
 @pytest.mark.parametrize("direction", ["to_host", "to_device"])
@@ -1362,8 +1373,7 @@ def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
     copy_runs = type(rig.be).copy_runs
 
     def counting(self, dst, src, runs, unit_bytes, stream):
-        runs = list(runs)
-        calls.append(len(runs))
+        calls.append(len(runs))                  # the tier passes an [n, 3] array
         return copy_runs(self, dst, src, runs, unit_bytes, stream)
 
     monkeypatch.setattr(type(rig.be), "copy_runs", counting)
@@ -1387,8 +1397,8 @@ def test_runs_are_the_maximal_stretches_on_both_sides():
     rng = np.random.default_rng(7)
     for _ in range(500):
         n = int(rng.integers(0, 14))
-        a = np.cumsum(rng.integers(0, 3, n)) + int(rng.integers(0, 4))
-        b = np.cumsum(rng.integers(1, 3, n))
+        a = np.cumsum(rng.integers(-2, 3, n)) + 40     # steps of -2..2 on both sides: descending ones too
+        b = np.cumsum(rng.integers(-2, 3, n)) + 40
         expected = []
         for x, y in zip(a.tolist(), b.tolist()):
             if expected and x == expected[-1][0] + expected[-1][2] and y == expected[-1][1] + expected[-1][2]:

@@ -676,8 +676,8 @@ class CudaBackend:
 
     def copy_runs(self, dst, src, runs, unit_bytes: int, stream: cupy.cuda.Stream) -> None:
         """For each (dst_start, src_start, n) of `runs` (disjoint), copy n units of unit_bytes from contiguous
-        `src` to contiguous `dst` (pinned host or device; a host buffer that is not pinned raises ValueError),
-        in `stream` order, the same rules as copy_bytes.
+        `src` to contiguous `dst` (pinned host or device; between host and device a host buffer that is not
+        pinned raises ValueError), in `stream` order, the same rules as copy_bytes.
 
         Between host and device, either way, one cupykv_copy_runs launch (kernels/tier_copy.cu) moves every
         run with the SMs, which read or write the pinned buffer at its device address, not memcpys: a copy
@@ -693,10 +693,11 @@ class CudaBackend:
             return
         to_host, to_device = isinstance(dst, np.ndarray), isinstance(dst, cupy.ndarray)
         if (to_host and isinstance(src, cupy.ndarray)) or (to_device and isinstance(src, np.ndarray)):
-            host = dst if to_host else src
-            if runtime.pointerGetAttributes(_address(host)).type != MEMORY_TYPE_PINNED:
-                raise ValueError("copy_runs: the host buffer is not pinned (backend.pinned_bytes): the copy kernel "
-                                 "reaches it at its device address")
+            host = _address(dst if to_host else src)
+            attributes = runtime.pointerGetAttributes(host)
+            if attributes.type != MEMORY_TYPE_PINNED or attributes.devicePointer != host:
+                raise ValueError("copy_runs: the host buffer is not pinned memory mapped at its own address "
+                                 "(backend.pinned_bytes): the copy kernel reaches it at that address")
             self._copy_runs_by_kernel(dst, src, table, unit_bytes, stream,
                                       TIER_COPY_BLOCKS_TO_HOST if to_host else TIER_COPY_BLOCKS_TO_DEVICE)
         else:

@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import numpy as np
 
+INT64_MAX = np.iinfo(np.int64).max
+
 
 def run_table(runs, unit_bytes: int, dst_nbytes: int, src_nbytes: int) -> np.ndarray:
     """runs, (dst_start, src_start, n) triples in units of unit_bytes (an iterable of triples or an
-    [num_runs, 3] integer array), as an int64 [num_runs, 3] table.
-    ValueError, before anything is copied, for anything but triples or for a run outside either buffer
-    (compared in units, so no product can wrap)."""
-    table = np.array(runs if isinstance(runs, np.ndarray) else list(runs), np.int64)   # a copy: ours to keep
-    if table.size and (table.ndim != 2 or table.shape[1] != 3):
-        raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {table.shape}")
-    table = table.reshape(-1, 3)
+    [num_runs, 3] integer array), as a new int64 [num_runs, 3] table (the caller's array is not kept).
+    ValueError, before anything is copied, for anything but integer triples in int64's range or for a run
+    outside either buffer (compared in units, so no product can wrap)."""
+    given = np.asarray(runs if isinstance(runs, np.ndarray) else list(runs))
+    if given.shape != (0,) and (given.ndim != 2 or given.shape[1] != 3):
+        raise ValueError(f"copy_runs: runs must be (dst_start, src_start, n) triples; got shape {given.shape}")
+    if given.size and (given.dtype.kind not in "iu" or given.dtype.kind == "u" and given.max() > INT64_MAX):
+        raise ValueError(f"copy_runs: runs must be integers in int64's range; got {given.dtype} runs")
+    table = given.astype(np.int64).reshape(-1, 3)
     d0, s0, n = table.T
     dst_units, src_units = dst_nbytes // unit_bytes, src_nbytes // unit_bytes
     bad = np.flatnonzero((np.minimum(np.minimum(d0, s0), n) < 0) | (d0 > dst_units) | (s0 > src_units)
