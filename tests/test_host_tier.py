@@ -1360,15 +1360,19 @@ def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
     """On a fresh tier a request's host slots are taken in ascending order, so device slots that are
     adjacent stay adjacent on the host: each group's copy is as many runs as its device slots have
     stretches of consecutive slots in block order (counted here from resident_blocks): one for the
-    full-attention group of a request prefilled alone. Taking the slots in any other order would copy slot by slot."""
+    full-attention group of a request prefilled alone. Taking the slots in any other order would copy
+    slot by slot."""
+    def stretches_of(rid):
+        dev = [np.asarray(s) for _, s in mgr.resident_blocks(rid)]
+        return [1 + int(np.count_nonzero(np.diff(d) != 1)) if len(d) else 0 for d in dev], [len(d) for d in dev]
+
     rig = Rig(backend_name, slots=48)
     mgr = rig.mgr
     rig.add("a", 200)
     rig.prefill(["a"], chunk=64)
     mgr.synchronize()
-    dev = [np.asarray(s) for _, s in mgr.resident_blocks("a")]
-    stretches = [1 + int(np.count_nonzero(np.diff(d) != 1)) if len(d) else 0 for d in dev]
-    assert stretches[1] == 1 and len(dev[1]) == 25   # full attention, alone: its 25 slots in one stretch
+    stretches, sizes = stretches_of("a")
+    assert stretches[1] == 1 and sizes[1] == 25   # full attention, alone: its 25 slots in one stretch
     calls = []
     copy_runs = type(rig.be).copy_runs
 
@@ -1385,8 +1389,7 @@ def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
     calls.clear()
     rig.resume("a")
     mgr.synchronize()
-    dev = [np.asarray(s) for _, s in mgr.resident_blocks("a")]
-    assert calls == [1 + int(np.count_nonzero(np.diff(d) != 1)) if len(d) else 0 for d in dev]
+    assert calls == stretches_of("a")[0]
     rig.run(generation=["a"])
     rig.check_rows()
 

@@ -21,8 +21,8 @@ import numpy as np
 from cupy.cuda import driver, runtime
 
 from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
-                       TIER_COPY_BLOCKS_TO_DEVICE,
-                       TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of, module_source)
+                       TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of,
+                       module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
 from .plan import GraphBuckets, StepPlan
 from .runs import run_table
