@@ -73,6 +73,11 @@ class SlotPool:
         self.num_quarantined -= moved
         return moved
 
+    def give_back(self, slots: np.ndarray) -> None:
+        """Slots straight onto the free stack, no quarantine: for an owner that tracks by itself when nobody
+        uses them any more (the host tier's pools, after their copy's event)."""
+        self._push_free(np.array(slots, np.int32))      # a copy, which _push_free sorts
+
     def _lift(self, tag: int, slots: np.ndarray) -> int:
         self._push_free(slots)
         return len(slots)
@@ -167,6 +172,11 @@ class CachingSlotPool(SlotPool):
             self.qtag[last] = tag
             self._enter_quarantine(last.astype(np.int32, copy=False), tag)
         return last
+
+    def give_back(self, slots: np.ndarray) -> None:
+        """Slots straight onto the free stack, no quarantine: for an owner that tracks by itself when nobody
+        uses them any more (the host tier's pools, after their copy's event)."""
+        self._push_free(np.array(slots, np.int32))      # a copy, which _push_free sorts
 
     def _lift(self, tag: int, slots: np.ndarray) -> int:
         # Not taken by a hit, not released again since; once each, in the order of its last release (hit

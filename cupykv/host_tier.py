@@ -25,6 +25,7 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 
 import numpy as np
 
+from .allocator import SlotPool
 from .errors import CupykvError, InvalidRequestError, InvalidSpecError
 
 
@@ -70,7 +71,7 @@ class HostTier:
             self.pools.clear()          # what was pinned goes back now, not with the traceback
             raise InvalidSpecError(f"host_tier_bytes={nbytes}: cannot allocate that much pinned host memory "
                                    f"({type(exc).__name__}: {exc})") from exc
-        self._free: List[List[int]] = [list(range(n - 1, -1, -1)) for n in slots]   # lowest on top
+        self._free = [SlotPool(n) for n in slots]       # free host slots per group (no quarantine: _returning)
         self._returning: List[Tuple[object, int, np.ndarray]] = []   # (event, group, host slots)
         self.held: Dict[Hashable, _Suspended] = {}
         self.stream = self.backend.new_stream("host tier")
@@ -86,11 +87,11 @@ class HostTier:
         resident = mgr.residence.resident_blocks(rid)
         self._poll()
         cached = [len(self.cache.host_hash_of[p]) if self.cache else 0 for p in range(len(resident))]
-        short = [p for p, (b, _) in enumerate(resident) if len(b) > len(self._free[p]) + cached[p]]
+        short = [p for p, (b, _) in enumerate(resident) if len(b) > self._free[p].num_free + cached[p]]
         if short:
             p = short[0]
             raise HostTierFullError(f"request {rid!r}: group {p} needs {len(resident[p][0])} host slots; "
-                                    f"{len(self._free[p])} free and {cached[p]} holding cached blocks that "
+                                    f"{self._free[p].num_free} free and {cached[p]} holding cached blocks that "
                                     "would make way (the request stays resident)")
         # -- nothing has changed so far --
         host = [self._take(p, len(b)) for p, (b, _) in enumerate(resident)]
@@ -123,12 +124,12 @@ class HostTier:
     def cache_slot(self, p: int):
         """A free host slot of group p for an evicted cached block, or None."""
         self._poll()
-        return self._free[p].pop() if self._free[p] else None
+        return int(self._free[p].allocate(1)[0]) if self._free[p].num_free else None
 
     def release_cache_slot(self, p: int, host_slot: int) -> None:
         """A cached block's host slot is free again (the cache dropped the block without reading it). Any
         copy still writing it runs on the tier stream, before every later copy into it."""
-        self._free[p].append(host_slot)
+        self._free[p].give_back(np.array([host_slot]))
 
     def copy_out(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray):
         """Copy device slots (evictable: their quarantine has lifted) to host slots; returns the event."""
@@ -143,15 +144,14 @@ class HostTier:
         return loaded
 
     def _take(self, p: int, n: int) -> np.ndarray:
-        """n host slots of group p for a suspended request's blocks, as n pops would give them: free ones
-        (the top of the free list first), then the least recently cached blocks' (their blocks leave the
-        cache). suspend has checked that there are n."""
-        free = self._free[p]
-        k = min(n, len(free))
-        taken = free[len(free) - k:][::-1]      # a slice, not k pops: a 128k request is 4096 slots a group
-        del free[len(free) - k:]
-        taken += [self.cache.drop_host_block(p) for _ in range(n - k)]
-        return np.array(taken, np.int64)
+        """n host slots of group p for a suspended request's blocks: free ones (the top of the free stack
+        first, so a fresh tier's slots come in one ascending run), then the least recently cached blocks'
+        (their blocks leave the cache). suspend has checked that there are n."""
+        free = self._free[p].allocate(min(n, self._free[p].num_free))
+        if len(free) == n:
+            return free
+        return np.concatenate((free, np.array([self.cache.drop_host_block(p) for _ in range(n - len(free))],
+                                              free.dtype)))
 
     def forget(self, rid: Hashable) -> None:
         """The request was freed: its host slots return once its D2H copy has completed."""
@@ -164,7 +164,7 @@ class HostTier:
         copied each way so far."""
         self._poll()
         cached = [len(t) for t in self.cache.host_hash_of] if self.cache else [0] * len(self.pools)
-        return dict(groups=[dict(total=len(pool), free=len(free), used=len(pool) - len(free) - c, cached=c)
+        return dict(groups=[dict(total=len(pool), free=free.num_free, used=len(pool) - free.num_free - c, cached=c)
                             for pool, free, c in zip(self.pools, self._free, cached)],
                     suspended=len(self.held), bytes_to_host=self.bytes_to_host, bytes_to_device=self.bytes_to_device)
 
@@ -177,8 +177,8 @@ class HostTier:
             back[p] += hs.tolist()
         held = tuple((repr(rid), tuple(b.tobytes() for b in s.blocks), tuple(h.tobytes() for h in s.host_slots))
                      for rid, s in self.held.items())
-        return (held, tuple(tuple(sorted(f + b)) for f, b in zip(self._free, back)), self.bytes_to_host,
-                self.bytes_to_device)
+        return (held, tuple(tuple(sorted(f.free_slots().tolist() + b)) for f, b in zip(self._free, back)),
+                self.bytes_to_host, self.bytes_to_device)
 
     # -- internals -------------------------------------------------------------------------------
     def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
@@ -196,7 +196,7 @@ class HostTier:
         keep = []
         for event, p, hs in self._returning:
             if event.done():
-                self._free[p].extend(sorted(hs.tolist(), reverse=True))
+                self._free[p].give_back(hs)
             else:
                 keep.append((event, p, hs))
         self._returning = keep

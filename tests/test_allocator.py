@@ -21,6 +21,19 @@ def test_fresh_pool_allocates_lowest_first():
     assert sorted(pool.free_slots().tolist()) == [5, 6, 7, 8, 9]
 
 
+def test_give_back_skips_the_quarantine_and_comes_out_lowest_first():
+    """give_back (the host tier's pools): the slots are free at once, the caller's array is not kept,
+    and they come out next, lowest first, before the slots that were free already."""
+    pool = SlotPool(8)
+    pool.allocate(5)                              # 0..4 held, 5..7 free
+    back = np.array([3, 0, 4])
+    pool.give_back(back)
+    back[:] = 7                                   # the pool took a copy
+    assert pool.num_free == 6 and pool.num_quarantined == 0
+    assert pool.allocate(4).tolist() == [0, 3, 4, 5]
+    assert sorted(pool.free_slots().tolist()) == [6, 7]
+
+
 def test_release_goes_to_quarantine_not_free():
     pool = SlotPool(6)
     a = pool.allocate(4)

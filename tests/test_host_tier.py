@@ -680,7 +680,7 @@ def test_gated_free_before_copy_back(backend_name):
 # --------------------------------------------------------------------------------------------------
 def tier_state(rig) -> tuple:
     """The manager's state (the tier's with it) and the exact order of the tier's free lists."""
-    return rig.mgr.state(), tuple(tuple(f) for f in rig.tier._free)
+    return rig.mgr.state(), tuple(f.free_slots().tolist() for f in rig.tier._free)
 
 
 def expect_unchanged(rig, error, fn, *args):
