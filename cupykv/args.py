@@ -7,7 +7,8 @@ sees a numpy scalar.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Type
+import itertools
+from typing import Mapping, NamedTuple, Optional, Sequence, Type
 
 import numpy as np
 
@@ -128,9 +129,17 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     """Token ids (a sequence or an integer array of `length` ints) as int64 [length]."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
         raise InvalidRequestError(f"{what}: needs a sequence of {length} token ids, got {type(tokens).__name__}")
-    arr = tokens if isinstance(tokens, np.ndarray) else np.array(tokens, dtype=object if tokens else np.int64)
-    if arr.ndim != 1 or len(arr) != length:
-        raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif type(tokens) is list and tokens and set(map(type, tokens)) == {int}:
+        # plain Python ints (the usual prompt or sampler output): numpy converts them at C speed
+        try:
+            return _checked_length(np.array(tokens, np.int64), what, length)
+        except OverflowError:
+            raise InvalidRequestError(f"{what}: token ids must fit in int64") from None
+    else:
+        arr = np.array(tokens, dtype=object if tokens else np.int64)
+    _checked_length(arr, what, length)
     if arr.dtype.kind == "O":
         for t in arr:
             if not is_count(t):
@@ -149,6 +158,12 @@ def token_ids(tokens, what: str, length: int) -> np.ndarray:
     return out
 
 
+def _checked_length(arr: np.ndarray, what: str, length: int) -> np.ndarray:
+    if arr.ndim != 1 or len(arr) != length:
+        raise InvalidRequestError(f"{what}: needs {length} token ids, got shape {arr.shape}")
+    return arr
+
+
 def salt_bytes(salt) -> bytes:
     """cache_salt (None, bytes or str) as bytes."""
     if salt is None:
@@ -164,17 +179,35 @@ def salt_bytes(salt) -> bytes:
     raise InvalidRequestError(f"cache_salt={salt!r}: must be bytes or str (or None)")
 
 
+class Reported(NamedTuple):
+    """settle's new_tokens, checked: the generation entries that reported their tokens (batch order, no
+    repeats), and their tokens concatenated; entry entries[j] has tokens[offsets[j]:offsets[j + 1]]."""
+    entries: np.ndarray      # int64 [n]
+    offsets: np.ndarray      # int64 [n + 1]
+    tokens: np.ndarray       # int64 [offsets[-1]]
+
+
 def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, num_contexts: int,
-                      step_id: int) -> dict:
-    """settle's new_tokens (a mapping request id -> token ids), checked: {batch entry: list of ints},
-    as many as the entry accepted, generation entries only."""
+                      step_id: int) -> Optional[Reported]:
+    """settle's new_tokens, checked, as Reported (None: nothing reported). Either a mapping request id ->
+    token ids (as many as the entry accepted; generation entries only), or every generation entry's
+    accepted tokens in batch order as one integer sequence or array (a sampler's output, no per-request
+    containers: the form a large batch should use)."""
     if new_tokens is None:
-        return {}
+        return None
     if not isinstance(new_tokens, Mapping):
-        raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids")
+        if isinstance(new_tokens, (str, bytes)) or not isinstance(new_tokens, (Sequence, np.ndarray)):
+            raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids, or "
+                                      "the generation entries' accepted tokens in batch order")
+        counts = accepted[num_contexts:]
+        tokens = token_ids(new_tokens, f"new_tokens (the {len(counts)} generation entries' accepted tokens "
+                                       f"in batch order, {int(counts.sum())} in all)", int(counts.sum()))
+        offsets = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return Reported(np.arange(num_contexts, len(accepted), dtype=np.int64), offsets, tokens)
     index = {rid: i for i, rid in enumerate(request_ids)}
     counts = accepted.tolist()
-    out = {}
+    entries, lists = [], []
     for rid, toks in new_tokens.items():
         try:
             i = index[rid]
@@ -185,11 +218,15 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
                                       "its tokens are the prompt's (given to add)")
         n = counts[i]
         # the common case, a short list of Python ints, checked without numpy (one entry per request)
-        if type(toks) is list and len(toks) == n and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks):
-            out[i] = toks
-        else:
-            out[i] = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
-    return out
+        if not (type(toks) is list and len(toks) == n and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks)):
+            toks = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
+        entries.append(i)
+        lists.append(toks)
+    order = sorted(range(len(entries)), key=entries.__getitem__)     # batch order, as the array form
+    offsets = np.zeros(len(entries) + 1, np.int64)
+    np.cumsum([len(lists[j]) for j in order], out=offsets[1:])
+    tokens = np.fromiter(itertools.chain.from_iterable(lists[j] for j in order), np.int64, int(offsets[-1]))
+    return Reported(np.array([entries[j] for j in order], np.int64), offsets, tokens)
 
 
 _I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1

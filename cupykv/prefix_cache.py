@@ -28,10 +28,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .args import Reported
 from .groups import LayerGroup
 from .layout import BAD, Layout
 
@@ -51,7 +52,8 @@ class CachedSeq:
     """What the cache knows of one request: its tokens, their block hashes, its boundaries."""
     salt: bytes
     hashes: List[bytes]                  # hash of each full block of known tokens, in order
-    tail: List[int]                      # the known tokens after the last full block
+    tail: Optional[np.ndarray]           # int64: the known tokens after the last full block, until begin()
+                                         # moves them to the cache's row (PrefixCache.tail_tokens)
     boundaries: List[int]                # positions whose window is retained (prompt end, chunk ends, ...)
     hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
     published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
@@ -79,6 +81,10 @@ class PrefixCache:
         # per table row: False once a settle advanced the request without reporting its tokens (its later
         # blocks can never be published)
         self.complete = np.ones(layout.spec.max_batch, bool)
+        # per table row: the known tokens after the request's last full block, tail_tokens[row, :tail_len[row]]
+        # (one array for all rows, so a step's reported tokens are appended in a few numpy operations)
+        self.tail_tokens = np.zeros((layout.spec.max_batch, self.tpb), "<i8")     # hashed as little-endian int64
+        self.tail_len = np.zeros(layout.spec.max_batch, np.int64)
         self.events: List[Tuple[str, int, bytes]] = []
         self.queries = self.query_tokens = self.hit_tokens = 0
         self.host = None                                  # a HostTier taking evicted blocks (attach_host)
@@ -96,20 +102,24 @@ class PrefixCache:
     # -- hashing and lookup ----------------------------------------------------------------------
     def new_seq(self, tokens: np.ndarray, salt: bytes, boundaries: List[int]) -> CachedSeq:
         """A request's sequence with its prompt's full blocks hashed."""
-        seq = CachedSeq(salt, [], [], boundaries)
-        self._hash_blocks(seq, tokens)
+        seq = CachedSeq(salt, [], None, boundaries)
+        seq.tail = self._hash_blocks(seq, tokens)
         return seq
 
-    def _hash_blocks(self, seq: CachedSeq, tokens: np.ndarray) -> None:
-        """Hash the full blocks of `tokens` (int64, following seq.hashes); the rest becomes seq.tail."""
+    def _hash_blocks(self, seq: CachedSeq, tokens: np.ndarray) -> np.ndarray:
+        """Hash the full blocks of `tokens` (int64, following seq.hashes); returns the rest (fewer than tpb)."""
         full = len(tokens) // self.tpb
         raw = memoryview(np.ascontiguousarray(tokens[:full * self.tpb], "<i8")).cast("B")
         step = self.tpb * 8
-        parent = seq.hashes[-1] if seq.hashes else _h(seq.salt, self.fingerprint)
+        parent = self._parent(seq)
         for b in range(full):
             parent = _h(parent, seq.salt, raw[b * step:(b + 1) * step])
             seq.hashes.append(parent)
-        seq.tail = tokens[full * self.tpb:].tolist()
+        return tokens[full * self.tpb:]
+
+    def _parent(self, seq: CachedSeq) -> bytes:
+        """The hash the request's next block chains from (h_{-1} before its first block)."""
+        return seq.hashes[-1] if seq.hashes else _h(seq.salt, self.fingerprint)
 
     def lookup(self, hashes: List[bytes], prompt_len: int, with_host: bool = True):
         """(hit blocks b, per group the (block, slot, on_host) triples to map) for the longest hit
@@ -217,6 +227,9 @@ class PrefixCache:
         seq.margin = [None] * len(self.groups)
         self.seqs[row] = seq
         self.complete[row] = True
+        self.tail_len[row] = n = len(seq.tail)
+        self.tail_tokens[row, :n] = seq.tail
+        seq.tail = None
         self._retain(seq, [0] * len(self.groups), seq.hit_blocks)
 
     def end(self, row: int, table: np.ndarray) -> None:
@@ -245,16 +258,35 @@ class PrefixCache:
         by_hash = self.by_hash[p]
         self.kept[p].update(h for h in hashes if h in by_hash)
 
-    def _extend(self, seq: CachedSeq, tokens: List[int]) -> None:
-        """Accepted generation tokens of a request whose tokens are all known, in order: the blocks they
-        complete are hashed (for publishing decode blocks)."""
-        seq.tail.extend(tokens)
-        if len(seq.tail) >= self.tpb:
-            self._hash_blocks(seq, np.array(seq.tail, np.int64))
+    def _extend(self, rows: np.ndarray, use: np.ndarray, reported: Reported) -> None:
+        """Append the reported tokens of the entries where `use` (bool [n]; their requests' tokens are all
+        known) to the tails of their rows (int64 [n], distinct); the blocks they complete are hashed (for
+        publishing decode blocks). Tokens that reach at most the end of the row's block are written in one
+        scatter, and a row they fill is hashed from tail_tokens; more (accepted speculative tokens past a
+        block's end, rare) go the prompt's way, one row at a time."""
+        tpb, held, starts, tokens = self.tpb, self.tail_len[rows], reported.offsets[:-1], reported.tokens
+        counts = reported.offsets[1:] - starts
+        grown = held + counts
+        fits = use & (grown <= tpb)
+        # every token's flat place in tail_tokens, as if it were taken (the mask keeps the ones that are)
+        place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
+        mask = np.repeat(fits, counts)
+        self.tail_tokens.reshape(-1)[place[mask]] = tokens[mask]
+        self.tail_len[rows[fits]] = grown[fits]
+        for row in rows[fits & (grown == tpb)].tolist():
+            seq = self.seqs[row]
+            seq.hashes.append(_h(self._parent(seq), seq.salt, self.tail_tokens[row].tobytes()))
+            self.tail_len[row] = 0
+        for j in np.flatnonzero(use & ~fits).tolist():
+            row, n = int(rows[j]), int(held[j])
+            rest = self._hash_blocks(self.seqs[row], np.concatenate((self.tail_tokens[row, :n],
+                                                                     tokens[starts[j]:starts[j] + counts[j]])))
+            self.tail_len[row] = len(rest)
+            self.tail_tokens[row, :len(rest)] = rest
 
-    def publish(self, row: int, history: int, cells: List[np.ndarray]) -> None:
+    def publish(self, row: int, history: int, cells: np.ndarray) -> None:
         """Offer the request's full settled blocks to the cache: block b of group p maps to the slot in
-        cells[p][b] (its table row) unless the hash is taken, the cell holds no slot (scratch, stale) or
+        cells[p, b] (int32 [P, B]: its table row) unless the hash is taken, the cell holds no slot (scratch, stale) or
         the slot is named already."""
         seq = self.seqs[row]
         full = min(history // self.tpb, len(seq.hashes))
@@ -262,8 +294,8 @@ class PrefixCache:
             return
         before = list(seq.published)
         for p, (table, pool, host) in enumerate(zip(self.by_hash, self.pools, self.host_by_hash)):
-            for b in range(seq.published[p], full):
-                slot = int(cells[p][b])
+            lo = seq.published[p]
+            for b, slot in zip(range(lo, full), cells[p, lo:full].tolist()):
                 h = seq.hashes[b]
                 if slot != BAD and h not in table and not pool.hashed[slot]:
                     table[h] = slot
@@ -280,20 +312,26 @@ class PrefixCache:
             self._retain(seq, before, full)
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
-               hist: np.ndarray, acc: np.ndarray, reported: dict, table: np.ndarray) -> None:
+               hist: np.ndarray, acc: np.ndarray, reported: Optional[Reported], table: np.ndarray) -> None:
         """A step settled: take its reported tokens, then publish the blocks it completed.
 
-        step_rows: the step's table rows (int32 [num_seqs]); index: its live entries; rows, hist, acc: their
-        rows, new histories and accepted tokens; reported: {entry: token ids}; table: int32 [P, rows, B].
+        step_rows: the step's table rows (int32 [num_seqs]); index: its live entries (int64, ascending);
+        rows, hist, acc: their rows, new histories and accepted tokens; reported: the entries' reported
+        tokens (args.generation_tokens) or None; table: int32 [P, rows, B].
         """
         silent = (index >= num_contexts) & (acc > 0)        # generation entries that advanced ...
-        if reported:
-            silent &= ~np.isin(index, list(reported))       # ... without reporting their tokens
-            live = set(index.tolist()) if len(index) < len(step_rows) else None
-            step_rows, complete = step_rows.tolist(), self.complete.tolist()
-            for i, toks in reported.items():
-                if (live is None or i in live) and complete[step_rows[i]]:
-                    self._extend(self.seqs[step_rows[i]], toks)
+        if reported is not None and len(reported.entries):
+            entries, n = reported.entries, len(step_rows)
+            said = np.zeros(n, bool)        # masks over the step's entries (isin sorts: more than this costs)
+            said[entries] = True
+            silent &= ~said[index]                           # ... without reporting their tokens
+            rows_of = step_rows[entries].astype(np.int64)
+            use = self.complete[rows_of]
+            if len(index) < n:              # entries freed since the prepare: their rows may be others' now
+                live = np.zeros(n, bool)
+                live[index] = True
+                use &= live[entries]
+            self._extend(rows_of, use, reported)
         self.complete[rows[silent]] = False
         shift = self.tpb.bit_length() - 1
         for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
@@ -399,7 +437,7 @@ class PrefixCache:
                             for table, pool, host in zip(self.by_hash, self.pools, self.host_by_hash)])
 
     def state(self) -> tuple:
-        seqs = tuple((row, s.salt, tuple(s.tail), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
+        seqs = tuple((row, s.salt, tuple(self.tail_tokens[row, :self.tail_len[row]].tolist()), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
                       bool(self.complete[row]), tuple(s.published), tuple(s.margin)) for row, s in sorted(self.seqs.items()))
         return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
                 tuple(tuple(sorted(k)) for k in self.kept),

@@ -1001,11 +1001,12 @@ class PrefixModelled(Modelled):
         self.check_events()
         return step
 
-    def settle(self, step, accepted=None, new_tokens=None) -> None:
+    def settle(self, step, accepted=None, new_tokens=None, model_tokens=None) -> None:
+        """model_tokens: the model's mapping of the tokens when new_tokens is the batch-order form."""
         self.mgr.settle(step, accepted, new_tokens=new_tokens)
         assert self.unsettled[0][0] is step
         self.unsettled.pop(0)
-        self.model.settle(step.id, accepted, new_tokens)
+        self.model.settle(step.id, accepted, new_tokens if model_tokens is None else model_tokens)
         self.check_events()
 
     def scratch_held(self) -> Dict[int, list]:

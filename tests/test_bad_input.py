@@ -1134,8 +1134,18 @@ def new_tokens_mgr():
     (None, {"nope": [1, 2]}, UnknownRequestError, ["'nope'"]),
     (None, {("A",): [1, 2]}, UnknownRequestError, ["('A',)"]),
     (None, {5: [1, 2]}, UnknownRequestError, ["5"]),
-    (None, [[1, 2]], InvalidRequestError, ["new_tokens"]),                 # not a mapping
+    (None, [[1, 2]], InvalidRequestError, ["new_tokens", "shape"]),        # batch order: one flat sequence
     (None, "A", InvalidRequestError, ["new_tokens"]),
+    (None, 7, InvalidRequestError, ["new_tokens"]),
+    (None, [1], InvalidRequestError, ["new_tokens", "batch order", "2"]),  # A accepted 2 (B is a context)
+    (None, [1, 2, 3], InvalidRequestError, ["new_tokens", "2"]),
+    ({"A": 1}, np.array([1, 2]), InvalidRequestError, ["new_tokens", "1"]),
+    (None, np.array([1.0, 2.0]), InvalidRequestError, ["new_tokens", "int"]),
+    (None, np.zeros((1, 2), np.int64), InvalidRequestError, ["new_tokens", "shape"]),
+    (None, [1, 2 ** 70], InvalidRequestError, ["new_tokens", "int64"]),
+    (None, np.array([1, 2 ** 63], np.uint64), InvalidRequestError, ["new_tokens", "int64"]),
+    (None, [True, 2], InvalidRequestError, ["new_tokens"]),
+    (None, [1, None], InvalidRequestError, ["new_tokens"]),
 ])
 def test_bad_new_tokens(accepted, new_tokens, exc, needles):
     mgr, step = new_tokens_mgr()
@@ -1147,10 +1157,11 @@ def test_bad_new_tokens(accepted, new_tokens, exc, needles):
     assert mgr.request("A").history == 40 + len(good["A"])
 
 
-def test_new_tokens_of_a_freed_request_are_accepted_and_ignored():
+@pytest.mark.parametrize("form", ["mapping", "batch order"])
+def test_new_tokens_of_a_freed_request_are_accepted_and_ignored(form):
     mgr, step = new_tokens_mgr()
     mgr.free("A")
-    mgr.settle(step, new_tokens={"A": [7, 8]})
+    mgr.settle(step, new_tokens={"A": [7, 8]} if form == "mapping" else [7, 8])
     mgr.synchronize()
     check_cached_invariants(mgr)
 

@@ -233,8 +233,8 @@ def test_prefix_smoke_rows(tmp_path, capsys):
         assert r["error"] is None and r["n"] == settings["decode_steps"]
         assert r["total_us"]["median"] > 0 and r["vs_off"] > 0
     assert data["decode"][0]["vs_off"] == 1.0
-    # the targets: two per (pattern, tpb), two for decode
-    assert len(data["targets"]) == 2 * len(settings["patterns"]) * len(settings["tpbs"]) + 2
+    # the targets: two per (pattern, tpb), one per decode variant with caching on
+    assert len(data["targets"]) == 2 * len(settings["patterns"]) * len(settings["tpbs"]) + len(DECODE_VARIANTS) - 1
 
 
 def test_prefix_trace_with_emulated_kernels():

@@ -60,13 +60,14 @@ class Harness:
         self.tw.free(rid)
         self.tw.check(stats=False)
 
-    def step(self, contexts=(), generation=(), k=1, accepted=None, new_tokens=None, settle=True):
+    def step(self, contexts=(), generation=(), k=1, accepted=None, new_tokens=None, settle=True, model_tokens=None):
+        """model_tokens: the model's mapping of new_tokens when they are given in batch order."""
         s = self.tw.prepare(contexts, generation, k)
         self.cap.consume(s)
         if self.gate is None:
             self.mgr.backend.synchronize()     # finished on both backends (no poll: the next prepare's)
         if settle:
-            self.tw.settle(s, accepted, new_tokens)
+            self.tw.settle(s, accepted, new_tokens, model_tokens)
         self.tw.check(stats=False)
         return s
 
@@ -598,6 +599,34 @@ def test_rejected_speculative_tokens_never_reach_the_cache(harness):
     h.free("A")
     assert h.query("B", prompt + [501, 777, 778, 779, 1]) == 8
     assert h.query("C", prompt + [501, 502, 503, 504, 505, 506, 1]) == 12
+
+
+@pytest.mark.parametrize("container", ["list", "int32 array"])
+def test_tokens_in_batch_order_cache_what_a_mapping_would(harness, container):
+    """settle(new_tokens=) as one sequence in batch order: the model takes the same tokens as a mapping
+    and checks the cache after every step. Three requests decode 3 draft tokens a step beside a context
+    chunk (tpb 4: entries fill a block exactly, stop short of it, or run past its end), accepting 0-3;
+    then follow-ups hit each request's decode blocks, and not past what it accepted."""
+    h = harness(windows=[None], tokens_per_block=4, max_rewind=3, max_seq_len=96)
+    prompts = {rid: toks(130 + i, 6) for i, rid in enumerate("ABC")}
+    for rid, p in prompts.items():
+        h.add(rid, p)
+        h.prefill(rid)
+    h.add("D", toks(140, 30))
+    kept = {rid: list(p) for rid, p in prompts.items()}
+    pattern = [(3, 1, 2), (2, 3, 0), (3, 3, 3), (1, 0, 2), (3, 2, 3), (0, 3, 1)]
+    for i, counts in enumerate(pattern):
+        new = {rid: [600 + 10 * i + j + 100 * k for j in range(n)] for k, (rid, n) in enumerate(zip("ABC", counts))}
+        flat = [t for rid in "ABC" for t in new[rid]]
+        h.step({"D": 5}, list("ABC"), k=3, accepted=[5, *counts],
+               new_tokens=np.array(flat, np.int32) if container == "int32 array" else flat, model_tokens=new)
+        for rid in "ABC":
+            kept[rid] += new[rid]
+    for rid in "ABC":
+        full = len(kept[rid]) // 4 * 4           # every accepted token was reported: its full blocks are cached
+        h.free(rid)
+        assert h.query(rid + "'", kept[rid][:full] + [1]) == full
+        assert h.query(rid + "''", kept[rid][:full - 1] + [999, 1]) == full - 4
 
 
 # --------------------------------------------------------------------------------------------------

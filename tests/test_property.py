@@ -348,6 +348,17 @@ class PrefixMachine(ManagerMachine):
 
         accepted, in_order = self.draw_accepted(data, s, report)
         as_sequence = data.draw(st.booleans(), label="accepted in batch order")
+        live = [rid for k, rid in enumerate(s.request_ids) if k >= s.num_contexts and self.model.is_live(s.id, k)]
+        if all(rid in new_tokens for rid in live) and data.draw(st.booleans(), label="tokens in batch order"):
+            # every generation entry's accepted tokens as one sequence; an entry freed since the prepare
+            # carries tokens too (ignored), as many as it accepted (all of them)
+            flat = []
+            for k, rid in enumerate(s.request_ids[s.num_contexts:], s.num_contexts):
+                flat += new_tokens[rid] if self.model.is_live(s.id, k) else [0] * in_order[k]
+            if data.draw(st.booleans(), label="batch-order tokens as numpy"):
+                flat = np.array(flat, data.draw(st.sampled_from([np.int64, np.int32, np.uint16]), label="dtype"))
+            self.tw.settle(s, in_order if as_sequence else accepted, new_tokens=flat, model_tokens=new_tokens)
+            return
         self.tw.settle(s, in_order if as_sequence else accepted, new_tokens=new_tokens)
 
     def free(self, data):

@@ -44,7 +44,8 @@ add     add() of one long prompt (default 128k tokens, GPT-OSS-like): hashing + 
 decode  Host time of a decode step (prepare_batch + settle; the device work is waited for between the two,
         untimed) at --decode-batch requests of about --decode-ctx tokens (GPT-OSS-like), on three managers
         fed the same steps in rotating order: prefix caching off; on (settle without new_tokens); on with
-        new_tokens reported (the mapping is built outside the timed call). Target: on within 10% of off.
+        new_tokens reported as a mapping request id -> [token] (built outside the timed call); on with
+        new_tokens as one int64 array in batch order (a sampler's output). Target: on within 10% of off.
 
 On the GPU every manager runs on the CUDA backend. On the host backend the step kernels are skipped
 (SkipKernelsBackend: nothing here reads the tables, and their NumPy emulation of 36-62 layers would take
@@ -490,7 +491,7 @@ def bench_add(shape: Shape, tpb: int, prompt_len: int, reps: int, backend: str, 
 # ---------------------------------------------------------------------------------------------------
 # decode-step host time, prefix caching on vs off
 # ---------------------------------------------------------------------------------------------------
-DECODE_VARIANTS = ("caching-off", "caching-on", "caching-on+new_tokens")
+DECODE_VARIANTS = ("caching-off", "caching-on", "caching-on+new_tokens", "caching-on+new_tokens[array]")
 
 
 def bench_decode(shape: Shape, tpb: int, batch: int, ctx: int, steps: int, warmup: int, backend: str,
@@ -524,13 +525,15 @@ def bench_decode(shape: Shape, tpb: int, batch: int, ctx: int, steps: int, warmu
     errors: Dict[str, str] = {}
     names = list(DECODE_VARIANTS)
     for i in range(total):
-        toks = rng.integers(0, VOCAB, batch).tolist()
-        reported = {rid: [t] for rid, t in zip(rids, toks)}
-        for name in names[i % 3:] + names[:i % 3]:          # rotate the order: no variant always goes first
+        toks = rng.integers(0, VOCAB, batch)
+        reported = {"caching-on+new_tokens": {rid: [t] for rid, t in zip(rids, toks.tolist())},
+                    "caching-on+new_tokens[array]": toks}
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:          # rotate the order: no variant always goes first
             if name in errors:
                 continue
             mgr = mgrs[name]
-            nt = reported if name == "caching-on+new_tokens" else None
+            nt = reported.get(name)
             try:
                 t0 = time.perf_counter()
                 step = mgr.prepare_batch(generation=rids)
