@@ -528,7 +528,8 @@ class KVCacheManager:
             self.page_table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
-               new_tokens: Optional[Mapping[RequestId, Sequence[int]]] = None) -> None:
+               new_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None
+               ) -> None:
         """The step's tokens are final: history advances by the accepted tokens.
 
         accepted: None (all scheduled tokens), a mapping request id -> accepted tokens, or a sequence in
@@ -537,8 +538,10 @@ class KVCacheManager:
         out of the window are released, scratch slots of the step's contexts too; released slots stay
         quarantined until the steps that may read them have finished. Requests freed since the step was
         prepared are skipped. new_tokens: request id -> the token ids this step computed and kept for a
-        generation entry (its input tokens, as many as accepted); with prefix caching, the blocks they
-        fill are cached too (without them only prompt blocks are).
+        generation entry (its input tokens, as many as accepted), or all of them at once: every
+        generation entry's accepted tokens in batch order, int [sum of accepted over the generation
+        entries] (entries of freed requests included; their tokens are ignored). With prefix caching,
+        the blocks they fill are cached too (without them only prompt blocks are).
         """
         reqs, ledger = self.requests, self.ledger
         if isinstance(step, DeviceStep):
