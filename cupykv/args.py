@@ -8,7 +8,7 @@ sees a numpy scalar.
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, NamedTuple, Optional, Sequence, Type
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Type
 
 import numpy as np
 
@@ -205,7 +205,10 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         offsets = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
         return Reported(np.arange(num_contexts, len(accepted), dtype=np.int64), offsets, tokens)
-    index = {rid: i for i, rid in enumerate(request_ids)}
+    index = dict(zip(request_ids, range(len(request_ids))))
+    fast = _plain_lists(new_tokens, index, accepted, num_contexts)
+    if fast is not None:
+        return fast
     counts = accepted.tolist()
     entries, lists = [], []
     for rid, toks in new_tokens.items():
@@ -217,16 +220,37 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
             raise InvalidRequestError(f"new_tokens: request {rid!r} has a context chunk in step {step_id}; "
                                       "its tokens are the prompt's (given to add)")
         n = counts[i]
-        # the common case, a short list of Python ints, checked without numpy (one entry per request)
-        if not (type(toks) is list and len(toks) == n and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in toks)):
-            toks = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
+        toks = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
         entries.append(i)
         lists.append(toks)
-    order = sorted(range(len(entries)), key=entries.__getitem__)     # batch order, as the array form
+    return _in_batch_order(np.array(entries, np.int64), lists)
+
+
+def _plain_lists(new_tokens: Mapping, index: dict, accepted: np.ndarray, num_contexts: int) -> Optional[Reported]:
+    """generation_tokens' mapping of the usual kind, with C-speed checks: every key a generation entry's
+    request id, every value a list of as many Python ints as the entry accepted, each in int64. None
+    for anything else (generation_tokens then checks entry by entry and says what is wrong)."""
+    lists = list(new_tokens.values())
+    try:
+        entries = np.fromiter(map(index.get, new_tokens, itertools.repeat(-1)), np.int64, len(lists))
+    except TypeError:       # an unhashable key
+        return None
+    if (entries < num_contexts).any() or set(map(type, lists)) != {list}:
+        return None
+    if list(map(len, lists)) != accepted[entries].tolist() or not set(map(type, itertools.chain.from_iterable(lists))) <= {int}:
+        return None
+    try:
+        return _in_batch_order(entries, lists)
+    except OverflowError:
+        return None
+
+
+def _in_batch_order(entries: np.ndarray, lists: List[List[int]]) -> Reported:
+    """Reported from distinct generation entries (int64 [n], any order) and each one's tokens."""
+    order = np.argsort(entries, kind="stable")
+    in_order = [lists[j] for j in order.tolist()]
     offsets = np.zeros(len(entries) + 1, np.int64)
-    np.cumsum([len(lists[j]) for j in order], out=offsets[1:])
-    tokens = np.fromiter(itertools.chain.from_iterable(lists[j] for j in order), np.int64, int(offsets[-1]))
-    return Reported(np.array([entries[j] for j in order], np.int64), offsets, tokens)
+    np.cumsum(list(map(len, in_order)), out=offsets[1:])
+    tokens = np.fromiter(itertools.chain.from_iterable(in_order), np.int64, int(offsets[-1]))
+    return Reported(entries[order], offsets, tokens)
 
-
-_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
