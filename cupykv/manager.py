@@ -610,11 +610,8 @@ class KVCacheManager:
                 if self.cache is None:
                     self._release(g.index, cells, tag)
                 else:       # blocks outside every retained window leave the cache once nobody holds them
-                    slots, ends = self.page_table.flat[cells].tolist(), np.cumsum(hi - done[moved]).tolist()
-                    blocks, drop, start = blocks.tolist(), [], 0
-                    for row, end in zip(r.tolist(), ends):        # each row's blocks are contiguous, in order
-                        drop += self.cache.leaving(row, g, blocks[start:end], slots[start:end])
-                        start = end
+                    drop = self.cache.leaving(g, r.tolist(), np.cumsum(hi - done[moved]).tolist(), blocks.tolist(),
+                                              self.page_table.flat[cells].tolist())   # each row's blocks in order
                     self._release(g.index, cells, tag)
                     drop = np.array(drop, np.int32)
                     self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])

@@ -292,15 +292,14 @@ class PrefixCache:
         full = min(history // self.tpb, len(seq.hashes))
         if full <= min(seq.published):
             return
-        before = list(seq.published)
-        for p, (table, pool, host) in enumerate(zip(self.by_hash, self.pools, self.host_by_hash)):
-            lo = seq.published[p]
-            for b, slot in zip(range(lo, full), cells[p, lo:full].tolist()):
-                h = seq.hashes[b]
-                if slot != BAD and h not in table and not pool.hashed[slot]:
+        before, hashes = list(seq.published), seq.hashes
+        for p, lo in enumerate(before):
+            table, names, host = self.by_hash[p], self.hash_of[p], self.host_by_hash[p]
+            for h, slot in zip(hashes[lo:full], cells[p, lo:full].tolist()):
+                if slot != BAD and h not in table and slot not in names:    # (names: the slots pool.hashed marks)
                     table[h] = slot
-                    self.hash_of[p][slot] = h
-                    pool.hashed[slot] = True
+                    names[slot] = h
+                    self.pools[p].hashed[slot] = True
                     hs = host.pop(h, None)
                     if hs is None:
                         self.events.append((STORED, p, h))
@@ -337,26 +336,32 @@ class PrefixCache:
         for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
             self.publish(int(rows[j]), int(hist[j]), table[:, rows[j]])
 
-    def leaving(self, row: int, g: LayerGroup, blocks: List[int], slots: List[int]) -> List[int]:
-        """Slots that leave the cache as these out-of-window blocks of a request are released (blocks
-        ascending; slots their table cells): the blocks outside every retained range. The newest of them
-        keeps its hash until the next release: if the request ends first, it is the block before its last
-        window. Returns slots to unhash once nobody holds them. (Plain Python: a settle releases a few
-        blocks per request, and numpy costs more than the work at that size.)"""
-        seq = self.seqs.get(row)
-        if self.retention == "all" or seq is None or not blocks:
+    def leaving(self, g: LayerGroup, rows: List[int], ends: List[int], blocks: List[int],
+                slots: List[int]) -> List[int]:
+        """Slots that leave the cache as out-of-window blocks of these requests are released: row
+        rows[i] releases blocks[ends[i - 1]:ends[i]] (ascending), whose table cells held slots[...] (the
+        same ranges). The blocks outside every retained range leave; each row's newest keeps its hash
+        until the row's next release: if the request ends first, it is the block before its last window.
+        Returns slots to unhash once nobody holds them. (Plain Python: a settle releases a few blocks
+        per request, and numpy costs more than the work at that size.)"""
+        if self.retention == "all":
             return []
-        kept, names = self.kept[g.index], self.hash_of[g.index]
-        drop = [s for b, s in zip(blocks[:-1], slots[:-1])
-                if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
-        old = seq.margin[g.index]
-        if old is not None and not self._keeps(seq, g, old[0]) and names.get(old[1]) not in kept:
-            b, slot = old                     # still the same block's slot (not evicted and reused since)?
-            if (b < len(seq.hashes) and names.get(slot) == seq.hashes[b]
-                    and self.pools[g.index].refs[slot] == 0):
-                drop.append(slot)
-        if slots[-1] != BAD:
-            seq.margin[g.index] = (blocks[-1], slots[-1])
+        p = g.index
+        kept, names, refs, drop, start = self.kept[p], self.hash_of[p], self.pools[p].refs, [], 0
+        for row, end in zip(rows, ends):
+            lo, start = start, end
+            seq = self.seqs.get(row)
+            if seq is None or lo == end:
+                continue
+            drop += [s for b, s in zip(blocks[lo:end - 1], slots[lo:end - 1])
+                     if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
+            old = seq.margin[p]
+            if old is not None and not self._keeps(seq, g, old[0]) and names.get(old[1]) not in kept:
+                b, slot = old                     # still the same block's slot (not evicted and reused since)?
+                if b < len(seq.hashes) and names.get(slot) == seq.hashes[b] and refs[slot] == 0:
+                    drop.append(slot)
+            if slots[end - 1] != BAD:
+                seq.margin[p] = (blocks[end - 1], slots[end - 1])
         return drop
 
     def _keeps(self, seq: CachedSeq, g: LayerGroup, block: int) -> bool:
@@ -412,7 +417,7 @@ class PrefixCache:
     # -- forgetting ------------------------------------------------------------------------------
     def unhash(self, p: int, slots: np.ndarray) -> None:
         """Slots released for good (out of the window, not retained): no longer hits, reused first."""
-        named = [int(s) for s in slots if self.pools[p].hashed[s]]
+        named = [s for s in slots.tolist() if s in self.hash_of[p]]      # (the slots pool.hashed marks)
         if named:
             self.pools[p].unname(np.array(named, np.int32))
             self._forget(p, named)
