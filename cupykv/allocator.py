@@ -11,11 +11,28 @@ quarantine lifts is free. CachingSlotPool overrides what changes when slots can 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import repeat
 from typing import Callable, Deque, Optional, Tuple
 
 import numpy as np
 
 NO_TAG = -1
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of a (1-D), ascending, as np.unique gives them (a new array of a's dtype); a
+    sort and a compare cost a fraction of np.unique here."""
+    s = np.sort(a)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) > 1 else s
+
+
+def _first_occurrences(a: np.ndarray) -> np.ndarray:
+    """Indices of the first occurrence of each distinct value of a (1-D), ascending."""
+    if len(a) < 2:
+        return np.arange(len(a))
+    order = np.argsort(a, kind="stable")
+    s = a[order]
+    return np.sort(order[np.concatenate(([True], s[1:] != s[:-1]))])
 
 
 class SlotPool:
@@ -148,11 +165,18 @@ class CachingSlotPool(SlotPool):
 
     def acquire(self, slots: np.ndarray) -> None:
         """One more holder for each of these cached slots (a hit): back from evictable or quarantine."""
-        for s in slots[self.refs[slots] == 0].tolist():
-            if self._evictable.pop(s, False) is False and self.qtag[s] != NO_TAG:
-                self.qtag[s] = NO_TAG
-                self.num_quarantined -= 1
-        np.add.at(self.refs, slots, 1)
+        idle = slots[self.refs[slots] == 0].tolist()
+        pop = self._evictable.pop           # (a long prompt's hit: thousands of slots, most of them evictable)
+        waiting = [s for s, was in zip(idle, map(pop, idle, repeat(False))) if was is False]
+        if waiting:                         # not evictable and unheld: in quarantine, or taken out by a repeat
+            waiting = _distinct(np.array(waiting, np.int64))
+            waiting = waiting[self.qtag[waiting] != NO_TAG]
+            self.qtag[waiting] = NO_TAG
+            self.num_quarantined -= len(waiting)
+        if len(_distinct(slots)) == len(slots):        # (ufunc.at costs 20x the plain scatter)
+            self.refs[slots] += 1
+        else:
+            np.add.at(self.refs, slots, 1)
 
     def unname(self, slots: np.ndarray) -> None:
         """The cache no longer names these slots: an evictable one becomes free (reused first)."""
@@ -167,7 +191,7 @@ class CachingSlotPool(SlotPool):
             return slots
         np.subtract.at(self.refs, slots, 1)
         last = slots[self.refs[slots] == 0]
-        last = np.unique(last) if len(last) > 1 else last.astype(np.int32, copy=True)   # two holders may let go at once
+        last = _distinct(last) if len(last) > 1 else last.astype(np.int32, copy=True)   # two holders may let go at once
         if len(last):
             self.qtag[last] = tag
             self._enter_quarantine(last.astype(np.int32, copy=False), tag)
@@ -183,8 +207,8 @@ class CachingSlotPool(SlotPool):
         # and released again under the same tag, a slot is in its entry twice).
         slots = slots[self.qtag[slots] == tag]
         if len(slots) > 1:
-            _, last = np.unique(slots[::-1], return_index=True)
-            slots = slots[::-1][np.sort(last)][::-1]
+            newest_first = slots[::-1]
+            slots = newest_first[_first_occurrences(newest_first)][::-1]
         self.qtag[slots] = NO_TAG
         cached = self.hashed[slots]
         self._evictable.update((s, None) for s in slots[cached].tolist())
@@ -193,14 +217,14 @@ class CachingSlotPool(SlotPool):
 
     def quarantined_through(self, tag: int) -> int:
         # each slot once: hit and released again under the same tag, it is in its entry twice
-        return sum(len(np.unique(s[self.qtag[s] == t])) for t, s in self._quarantine if t <= tag)
+        return sum(len(_distinct(s[self.qtag[s] == t])) for t, s in self._quarantine if t <= tag)
 
     def quarantined_slots(self) -> np.ndarray:
         return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)
 
     def count_evictable(self, slots) -> int:
         """How many of these slots are evictable now."""
-        return sum(1 for s in slots if int(s) in self._evictable)
+        return sum(map(self._evictable.__contains__, np.asarray(slots).tolist()))
 
     def evictable_slots(self) -> np.ndarray:
         """Evictable slots, least recently released first."""

@@ -235,25 +235,24 @@ class KVCacheManager:
             reqs.add(rid, n)
             return 0
         seq = cache.new_seq(toks, salt, [n, *marks])
-        hit, triples = cache.lookup(seq.hashes, n)
-        if not self._room_for_host_hits(triples):       # host blocks need device slots to come back to
-            hit, triples = cache.lookup(seq.hashes, n, with_host=False)
+        hit, hits = cache.lookup(seq.hashes, n)
+        if not self._room_for_host_hits(hits):       # host blocks need device slots to come back to
+            hit, hits = cache.lookup(seq.hashes, n, with_host=False)
         # -- nothing has changed so far --
         row = reqs.add(rid, n).row
         reqs.hist[row] = cached = hit * self.layout.tpb
         reqs.set_capacity(row, cached)
-        for g, held in zip(self.layout.groups, triples):
-            on_device = [(b, s) for b, s, on_host in held if not on_host]
-            on_host = [(b, s) for b, s, on_host in held if on_host]
-            if on_device:
-                blocks, slots = (np.array(a, np.int64) for a in zip(*on_device))
+        for g, (hit_blocks, hit_slots, on_host) in zip(self.layout.groups, hits):
+            some_on_host = on_host.any()
+            blocks, slots = (hit_blocks[~on_host], hit_slots[~on_host]) if some_on_host else (hit_blocks, hit_slots)
+            if len(blocks):
                 self.pools[g.index].acquire(slots)
                 self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
                 if cache.still_arriving(g.index, slots):     # an earlier hit's copy back: wait for it too
                     reqs.loading[row] = cache.last_copy_in
             # (one event per row: the tier copies on one stream, so a group's later event covers an earlier one)
-            if on_host:         # copied back into fresh slots; the request's first step waits for the copy
-                blocks, host_slots = (np.array(a, np.int64) for a in zip(*on_host))
+            if some_on_host:        # copied back into fresh slots; the request's first step waits for the copy
+                blocks, host_slots = hit_blocks[on_host], hit_slots[on_host]
                 slots, reqs.loading[row] = cache.bring_back(g.index, [seq.hashes[b] for b in blocks.tolist()],
                                                             host_slots.tolist(), self.pools[g.index].allocate)
                 self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
@@ -263,12 +262,12 @@ class KVCacheManager:
         cache.queries, cache.query_tokens, cache.hit_tokens = cache.queries + 1, cache.query_tokens + n, cache.hit_tokens + cached
         return cached
 
-    def _room_for_host_hits(self, triples) -> bool:
+    def _room_for_host_hits(self, hits) -> bool:
         """Every group can allocate a slot for each hit host block, after the hit device blocks were taken
-        back from the evictable list."""
-        for pool, held in zip(self.pools, triples):
-            on_host = sum(1 for _, _, h in held if h)
-            if on_host and on_host > pool.num_available - pool.count_evictable([s for _, s, h in held if not h]):
+        back from the evictable list. hits: per group (blocks, slots, on_host), as PrefixCache.lookup."""
+        for pool, (_, slots, on_host) in zip(self.pools, hits):
+            n = int(np.count_nonzero(on_host))
+            if n and n > pool.num_available - pool.count_evictable(slots[~on_host]):
                 return False
         return True
 

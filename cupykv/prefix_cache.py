@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -40,9 +41,10 @@ HASH_BYTES = 16
 STORED, REMOVED = "stored", "removed"
 
 
-def _h(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=HASH_BYTES)
-    for part in parts:
+def _h(first: bytes, *rest) -> bytes:
+    """H: BLAKE2b-128 over the parts in order (bytes-like)."""
+    h = hashlib.blake2b(first, digest_size=HASH_BYTES)
+    for part in rest:
         h.update(part)
     return h.digest()
 
@@ -110,38 +112,47 @@ class PrefixCache:
         """Hash the full blocks of `tokens` (int64, following seq.hashes); returns the rest (fewer than tpb)."""
         full = len(tokens) // self.tpb
         raw = memoryview(np.ascontiguousarray(tokens[:full * self.tpb], "<i8")).cast("B")
-        step = self.tpb * 8
+        step, salt, append = self.tpb * 8, seq.salt, seq.hashes.append
         parent = self._parent(seq)
-        for b in range(full):
-            parent = _h(parent, seq.salt, raw[b * step:(b + 1) * step])
-            seq.hashes.append(parent)
+        for at in range(0, full * step, step):         # (a long prompt: thousands of blocks, one chain)
+            parent = _h(parent, salt, raw[at:at + step])
+            append(parent)
         return tokens[full * self.tpb:]
 
     def _parent(self, seq: CachedSeq) -> bytes:
         """The hash the request's next block chains from (h_{-1} before its first block)."""
         return seq.hashes[-1] if seq.hashes else _h(seq.salt, self.fingerprint)
 
-    def lookup(self, hashes: List[bytes], prompt_len: int, with_host: bool = True):
-        """(hit blocks b, per group the (block, slot, on_host) triples to map) for the longest hit
-        n = b * tpb; blocks in the host tier count unless with_host is False."""
+    def lookup(self, hashes: List[bytes], prompt_len: int, with_host: bool = True
+               ) -> Tuple[int, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """(b, per group (blocks, slots, on_host)) for the longest hit n = b * tpb: the blocks a query at
+        n sees (int64 [k], ascending), the slot each is cached in (int64 [k]: a device slot, or a host
+        slot where on_host, bool [k]). Blocks in the host tier count unless with_host is False."""
         top = min(len(hashes), (prompt_len - 1) // self.tpb)
         with_host = with_host and self.host is not None
         ok = np.ones(top + 1, bool)            # ok[b]: a hit of b blocks is complete in every group so far
         b = np.arange(top + 1)
         for g, table, host in zip(self.groups, self.by_hash, self.host_by_hash):
-            have = np.fromiter((h in table or (with_host and h in host) for h in hashes[:top]), bool, top)
+            have = np.fromiter(map(table.__contains__, hashes[:top]), bool, top)
+            if with_host and host:
+                have |= np.fromiter(map(host.__contains__, hashes[:top]), bool, top)
             run = np.concatenate(([0], np.cumsum(have)))            # run[b] = cached blocks among [0, b)
             start = np.minimum(g.stale_end(b * self.tpb), b)
             sinks = np.minimum(b, g.sink_blocks)
             ok &= (run[b] - run[start] == b - start) & (run[sinks] == sinks)
         hit = int(np.flatnonzero(ok)[-1])
-        triples = []
+        out = []
         for g, table, host in zip(self.groups, self.by_hash, self.host_by_hash):
             start = min(int(g.stale_end(hit * self.tpb)), hit)
-            blocks = list(range(min(g.sink_blocks, start))) + list(range(start, hit))
-            triples.append([(x, table[hashes[x]], False) if hashes[x] in table else (x, host[hashes[x]], True)
-                            for x in blocks])
-        return hit, triples
+            sinks = min(g.sink_blocks, start)
+            blocks = np.concatenate((np.arange(sinks), np.arange(start, hit)))
+            seen = hashes[:sinks] + hashes[start:hit]
+            slots = np.fromiter(map(table.get, seen, repeat(-1)), np.int64, len(seen))
+            on_host = slots < 0                 # (a hit block not on the device is in the host tier)
+            if on_host.any():
+                slots[on_host] = [host[h] for h, there in zip(seen, on_host.tolist()) if there]
+            out.append((blocks, slots, on_host))
+        return hit, out
 
     # -- the host tier -----------------------------------------------------------------------------
     def attach_host(self, host) -> None:
@@ -284,31 +295,32 @@ class PrefixCache:
             self.tail_len[row] = len(rest)
             self.tail_tokens[row, :len(rest)] = rest
 
-    def publish(self, row: int, history: int, cells: np.ndarray) -> None:
-        """Offer the request's full settled blocks to the cache: block b of group p maps to the slot in
-        cells[p, b] (int32 [P, B]: its table row) unless the hash is taken, the cell holds no slot (scratch, stale) or
-        the slot is named already."""
-        seq = self.seqs[row]
-        full = min(history // self.tpb, len(seq.hashes))
-        if full <= min(seq.published):
-            return
-        before, hashes = list(seq.published), seq.hashes
-        for p, lo in enumerate(before):
-            table, names, host = self.by_hash[p], self.hash_of[p], self.host_by_hash[p]
-            for h, slot in zip(hashes[lo:full], cells[p, lo:full].tolist()):
-                if slot != BAD and h not in table and slot not in names:    # (names: the slots pool.hashed marks)
-                    table[h] = slot
-                    names[slot] = h
-                    self.pools[p].hashed[slot] = True
-                    hs = host.pop(h, None)
-                    if hs is None:
-                        self.events.append((STORED, p, h))
-                    else:       # computed again while cached on the host: the device copy takes its place
-                        del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
-                        self.host.release_cache_slot(p, hs)
-            seq.published[p] = full
-        if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
-            self._retain(seq, before, full)
+    def publish(self, rows: List[int], histories: List[int], table: np.ndarray) -> None:
+        """Offer each request's full settled blocks to the cache (rows[i] has histories[i] tokens settled):
+        block b of group p maps to the slot in table[p, row, b] (int32 [P, rows, B]) unless the hash is
+        taken, the cell holds no slot (scratch, stale) or the slot is named already."""
+        groups = list(zip(self.by_hash, self.hash_of, self.host_by_hash, self.pools))
+        for row, history in zip(rows, histories):
+            seq = self.seqs[row]
+            full = min(history // self.tpb, len(seq.hashes))
+            before = seq.published
+            if full <= min(before):             # (most rows: a decode block without its tokens reported)
+                continue
+            seq.published, hashes = [full] * len(before), seq.hashes
+            for p, (lo, (by_hash, names, host, pool)) in enumerate(zip(before, groups)):
+                for h, slot in zip(hashes[lo:full], table[p, row, lo:full].tolist()):
+                    if slot != BAD and h not in by_hash and slot not in names:   # (names: the slots pool.hashed marks)
+                        by_hash[h] = slot
+                        names[slot] = h
+                        pool.hashed[slot] = True
+                        hs = host.pop(h, None)
+                        if hs is None:
+                            self.events.append((STORED, p, h))
+                        else:       # computed again while cached on the host: the device copy takes its place
+                            del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
+                            self.host.release_cache_slot(p, hs)
+            if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
+                self._retain(seq, before, full)
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
                hist: np.ndarray, acc: np.ndarray, reported: Optional[Reported], table: np.ndarray) -> None:
@@ -333,8 +345,9 @@ class PrefixCache:
             self._extend(rows_of, use, reported)
         self.complete[rows[silent]] = False
         shift = self.tpb.bit_length() - 1
-        for j in np.flatnonzero((hist >> shift) > ((hist - acc) >> shift)).tolist():
-            self.publish(int(rows[j]), int(hist[j]), table[:, rows[j]])
+        crossed = np.flatnonzero((hist >> shift) > ((hist - acc) >> shift))     # rows that completed a block
+        if len(crossed):
+            self.publish(rows[crossed].tolist(), hist[crossed].tolist(), table)
 
     def leaving(self, g: LayerGroup, rows: List[int], ends: List[int], blocks: List[int],
                 slots: List[int]) -> List[int]:
@@ -356,9 +369,11 @@ class PrefixCache:
             drop += [s for b, s in zip(blocks[lo:end - 1], slots[lo:end - 1])
                      if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
             old = seq.margin[p]
-            if old is not None and not self._keeps(seq, g, old[0]) and names.get(old[1]) not in kept:
-                b, slot = old                     # still the same block's slot (not evicted and reused since)?
-                if b < len(seq.hashes) and names.get(slot) == seq.hashes[b] and refs[slot] == 0:
+            if old is not None:
+                b, slot = old
+                h = names.get(slot)               # still the same block's slot (not evicted and reused since)?
+                if (h is not None and h not in kept and b < len(seq.hashes) and h == seq.hashes[b]
+                        and refs[slot] == 0 and not self._keeps(seq, g, b)):
                     drop.append(slot)
             if slots[end - 1] != BAD:
                 seq.margin[p] = (blocks[end - 1], slots[end - 1])

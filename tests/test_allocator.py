@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cupykv import CacheSpec, KVCacheManager, OutOfSlotsError
-from cupykv.allocator import CachingSlotPool, SlotPool
+from cupykv.allocator import CachingSlotPool, SlotPool, _distinct, _first_occurrences
 from oracle import check_stats, held_slots
 
 
@@ -176,6 +176,19 @@ def test_pool_matches_model(n, ops):
             assert pool.reclaim(t) == model.reclaim(t)
             twin.reclaim(t)
         _check(pool, model)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.integers(0, 12), max_size=40), dtype=st.sampled_from([np.int32, np.int64]))
+def test_distinct_and_first_occurrences_match_numpy_unique(values, dtype):
+    """The pools' sort-based helpers against np.unique (values ascending, and the index of each value's
+    first occurrence), on arrays with many repeats."""
+    a = np.array(values, dtype)
+    want, first = np.unique(a, return_index=True)
+    got = _distinct(a)
+    assert got.dtype == a.dtype and got.tolist() == want.tolist()
+    assert got is not a and (len(a) == 0 or not np.shares_memory(got, a))
+    assert _first_occurrences(a).tolist() == sorted(first.tolist())
 
 
 @settings(max_examples=100, deadline=None)

@@ -674,7 +674,7 @@ def test_lookup_against_the_hit_rule_over_random_cache_contents():
     """PrefixCache.lookup against the contract's rule, brute force (a hit of b blocks needs, in every group,
     each block a query at position b * tpb can see: all of [0, b) for full attention; the sink blocks and
     [max(sinks, (n + 1 - window) // tpb), b) for a window), over random sets of cached blocks per group
-    (seeded), with and without sinks; the triples name the cached slot of each such block."""
+    (seeded), with and without sinks; the slots are the cached slot of each such block."""
     rng = np.random.default_rng(7)
     for sinks in (0, TPB, 2 * TPB):
         mgr = cupykv.KVCacheManager(cupykv.CacheSpec(
@@ -696,8 +696,8 @@ def test_lookup_against_the_hit_rule_over_random_cache_contents():
 
             top = min(24, (prompt - 1) // TPB)
             want = max(b for b in range(top + 1) if all(visible(g, b) <= c for g, c in zip(groups, cached)))
-            hit, triples = pc.lookup(hashes, prompt, with_host=False)
+            hit, hits = pc.lookup(hashes, prompt, with_host=False)
             assert hit == want, (sinks, prompt, cached)
-            for g, t in zip(groups, triples):
-                assert sorted(x for x, _, _ in t) == sorted(visible(g, hit))
-                assert all(slot == 1000 * g.index + x and not on_host for x, slot, on_host in t)
+            for g, (blocks, slots, on_host) in zip(groups, hits):
+                assert blocks.tolist() == sorted(visible(g, hit))
+                assert slots.tolist() == [1000 * g.index + x for x in blocks.tolist()] and not on_host.any()
