@@ -19,11 +19,16 @@ import numpy as np
 NO_TAG = -1
 
 
+def _no_repeats(a: np.ndarray) -> bool:
+    """Whether a short array (a step's few slots) has no value twice; False for a long one (not checked)."""
+    return len(a) < 2 or (len(a) <= 64 and len(set(a.tolist())) == len(a))
+
+
 def _distinct(a: np.ndarray) -> np.ndarray:
     """The distinct values of a (1-D), ascending, as np.unique gives them (a new array of a's dtype); a
     sort and a compare cost a fraction of np.unique here."""
     s = np.sort(a)
-    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) > 1 else s
+    return s if _no_repeats(s) else s[np.concatenate(([True], s[1:] != s[:-1]))]
 
 
 def _first_occurrences(a: np.ndarray) -> np.ndarray:
@@ -189,9 +194,13 @@ class CachingSlotPool(SlotPool):
         """Drop one holder of each slot; slots left with none are quarantined (returned)."""
         if len(slots) == 0:
             return slots
-        np.subtract.at(self.refs, slots, 1)
+        once = _no_repeats(slots)
+        if once:                            # (ufunc.at costs twice the plain scatter at a step's few slots)
+            self.refs[slots] -= 1
+        else:
+            np.subtract.at(self.refs, slots, 1)
         last = slots[self.refs[slots] == 0]
-        last = _distinct(last) if len(last) > 1 else last.astype(np.int32, copy=True)   # two holders may let go at once
+        last = np.sort(last) if once else _distinct(last)      # two holders may let go at once
         if len(last):
             self.qtag[last] = tag
             self._enter_quarantine(last.astype(np.int32, copy=False), tag)

@@ -286,7 +286,7 @@ class PrefixCache:
         self.tail_len[rows[fits]] = grown[fits]
         for row in rows[fits & (grown == tpb)].tolist():
             seq = self.seqs[row]
-            seq.hashes.append(_h(self._parent(seq), seq.salt, self.tail_tokens[row].tobytes()))
+            seq.hashes.append(_h(self._parent(seq), seq.salt, self.tail_tokens[row].data))
             self.tail_len[row] = 0
         for j in np.flatnonzero(use & ~fits).tolist():
             row, n = int(rows[j]), int(held[j])
@@ -299,7 +299,8 @@ class PrefixCache:
         """Offer each request's full settled blocks to the cache (rows[i] has histories[i] tokens settled):
         block b of group p maps to the slot in table[p, row, b] (int32 [P, rows, B]) unless the hash is
         taken, the cell holds no slot (scratch, stale) or the slot is named already."""
-        groups = list(zip(self.by_hash, self.hash_of, self.host_by_hash, self.pools))
+        groups = list(zip(self.by_hash, self.hash_of, self.host_by_hash))
+        named = [[] for _ in groups]            # per group: the slots this call names (pool.hashed set after)
         for row, history in zip(rows, histories):
             seq = self.seqs[row]
             full = min(history // self.tpb, len(seq.hashes))
@@ -307,12 +308,12 @@ class PrefixCache:
             if full <= min(before):             # (most rows: a decode block without its tokens reported)
                 continue
             seq.published, hashes = [full] * len(before), seq.hashes
-            for p, (lo, (by_hash, names, host, pool)) in enumerate(zip(before, groups)):
+            for p, (lo, (by_hash, names, host)) in enumerate(zip(before, groups)):
                 for h, slot in zip(hashes[lo:full], table[p, row, lo:full].tolist()):
                     if slot != BAD and h not in by_hash and slot not in names:   # (names: the slots pool.hashed marks)
                         by_hash[h] = slot
                         names[slot] = h
-                        pool.hashed[slot] = True
+                        named[p].append(slot)
                         hs = host.pop(h, None)
                         if hs is None:
                             self.events.append((STORED, p, h))
@@ -321,6 +322,9 @@ class PrefixCache:
                             self.host.release_cache_slot(p, hs)
             if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
                 self._retain(seq, before, full)
+        for pool, slots in zip(self.pools, named):
+            if slots:
+                pool.hashed[slots] = True
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
                hist: np.ndarray, acc: np.ndarray, reported: Optional[Reported], table: np.ndarray) -> None:

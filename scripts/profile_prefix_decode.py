@@ -29,7 +29,7 @@ args = ap.parse_args()
 
 def time_parts(spent: dict) -> None:
     """perf_counter timers around the parts of a caching step (adds each call's seconds to spent[name])."""
-    from cupykv import allocator, ledger, manager, prefix_cache
+    from cupykv import allocator, ledger, manager, pipeline, prefix_cache
 
     def timed(name, fn):
         def call(*a, **k):
@@ -38,7 +38,9 @@ def time_parts(spent: dict) -> None:
             spent[name] += time.perf_counter() - t0
             return out
         return call
-    for owner, name in [(manager.KVCacheManager, "prepare_batch"), (manager.KVCacheManager, "settle"),
+    for owner, name in [(manager.KVCacheManager, "prepare_batch"), (manager.KVCacheManager, "_plan"),
+                        (manager.KVCacheManager, "_commit"), (manager.KVCacheManager, "_allocate_blocks"),
+                        (pipeline.StepPipeline, "launch"), (manager.KVCacheManager, "settle"),
                         (manager.KVCacheManager, "_release_stale"), (manager.KVCacheManager, "_release"),
                         (prefix_cache.PrefixCache, "settle"), (prefix_cache.PrefixCache, "_extend"),
                         (prefix_cache.PrefixCache, "publish"), (prefix_cache.PrefixCache, "leaving"),
