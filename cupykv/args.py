@@ -179,6 +179,9 @@ def salt_bytes(salt) -> bytes:
     raise InvalidRequestError(f"cache_salt={salt!r}: must be bytes or str (or None)")
 
 
+_ZERO = np.zeros(1, np.int64)
+
+
 class Reported(NamedTuple):
     """settle's new_tokens, checked: the generation entries that reported their tokens (batch order, no
     repeats), and their tokens concatenated; entry entries[j] has tokens[offsets[j]:offsets[j + 1]]."""
@@ -195,15 +198,13 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
     containers: the form a large batch should use)."""
     if new_tokens is None:
         return None
-    if not isinstance(new_tokens, Mapping):
-        if isinstance(new_tokens, (str, bytes)) or not isinstance(new_tokens, (Sequence, np.ndarray)):
+    if isinstance(new_tokens, np.ndarray) or not isinstance(new_tokens, Mapping):
+        if isinstance(new_tokens, (str, bytes)) or not isinstance(new_tokens, (np.ndarray, Sequence)):
             raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids, or "
                                       "the generation entries' accepted tokens in batch order")
-        counts = accepted[num_contexts:]
-        tokens = token_ids(new_tokens, f"new_tokens (the {len(counts)} generation entries' accepted tokens "
-                                       f"in batch order, {int(counts.sum())} in all)", int(counts.sum()))
-        offsets = np.zeros(len(counts) + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        offsets = np.concatenate((_ZERO, accepted[num_contexts:].cumsum()))
+        tokens = token_ids(new_tokens, f"new_tokens (every generation entry's accepted tokens in batch order, "
+                                       f"{len(offsets) - 1} entries)", int(offsets[-1]))
         return Reported(np.arange(num_contexts, len(accepted), dtype=np.int64), offsets, tokens)
     index = dict(zip(request_ids, range(len(request_ids))))
     fast = _plain_lists(new_tokens, index, accepted, num_contexts)

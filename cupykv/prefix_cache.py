@@ -280,8 +280,11 @@ class PrefixCache:
         grown = held + counts
         fits = use & (grown <= tpb)
         # every token's flat place in tail_tokens, as if it were taken (the mask keeps the ones that are)
-        place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
-        mask = np.repeat(fits, counts)
+        if len(tokens) == len(rows) and (counts == 1).all():      # one token each: entry j's is tokens[j]
+            place, mask = rows * tpb + held, fits
+        else:
+            place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
+            mask = np.repeat(fits, counts)
         self.tail_tokens.reshape(-1)[place[mask]] = tokens[mask]
         self.tail_len[rows[fits]] = grown[fits]
         for row in rows[fits & (grown == tpb)].tolist():
