@@ -178,7 +178,7 @@ class CachingSlotPool(SlotPool):
             waiting = waiting[self.qtag[waiting] != NO_TAG]
             self.qtag[waiting] = NO_TAG
             self.num_quarantined -= len(waiting)
-        if len(_distinct(slots)) == len(slots):        # (ufunc.at costs 20x the plain scatter)
+        if len(_distinct(slots)) == len(slots):        # (ufunc.at is much slower than a plain scatter)
             self.refs[slots] += 1
         else:
             np.add.at(self.refs, slots, 1)
@@ -195,7 +195,7 @@ class CachingSlotPool(SlotPool):
         if len(slots) == 0:
             return slots
         once = _no_repeats(slots)
-        if once:                            # (ufunc.at costs twice the plain scatter at a step's few slots)
+        if once:                            # (a plain scatter: ufunc.at is slower even at a few slots)
             self.refs[slots] -= 1
         else:
             np.subtract.at(self.refs, slots, 1)
