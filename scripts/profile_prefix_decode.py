@@ -10,7 +10,6 @@ import argparse
 import collections
 import cProfile
 import pstats
-import time
 
 import numpy as np
 
@@ -30,14 +29,9 @@ args = ap.parse_args()
 def time_parts(spent: dict) -> None:
     """perf_counter timers around the parts of a caching step (adds each call's seconds to spent[name])."""
     from cupykv import allocator, ledger, manager, pipeline, prefix_cache
+    from profile_manager import timer
 
-    def timed(name, fn):
-        def call(*a, **k):
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t0
-            return out
-        return call
+    timed = timer(spent)
     for owner, name in [(manager.KVCacheManager, "prepare_batch"), (manager.KVCacheManager, "_plan"),
                         (manager.KVCacheManager, "_commit"), (manager.KVCacheManager, "_allocate_blocks"),
                         (pipeline.StepPipeline, "launch"), (manager.KVCacheManager, "settle"),
