@@ -458,7 +458,7 @@ class KVCacheManager:
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
                     owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
-        cells = table.logged()
+        cells, cleared = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
         # and after the copy back of any resumed KV.
         after = self.cache.spill_events() if self.cache is not None else []   # evicted blocks copied out first
@@ -466,7 +466,8 @@ class KVCacheManager:
         if loading:
             after += [reqs.loading[r] for r in loading]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
-        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells] if len(cells) else _NO_SLOTS, after)
+        self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells] if len(cells) else _NO_SLOTS, cleared,
+                             after)
         table.clear_log()
         for r in loading:          # waited for by this step, so by every later one (stream order)
             del reqs.loading[r]
@@ -626,7 +627,7 @@ class KVCacheManager:
     def _release_row(self, row: int, tag: int) -> None:
         """_release of every cell of a row that holds a slot, in every group (a freed or suspended request)."""
         for p in range(self.layout.num_groups):
-            self.pools[p].release(self.page_table.take_row(p, row)[1], tag)
+            self.pools[p].release(self.page_table.take_row(p, row), tag)
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):

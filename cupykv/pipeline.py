@@ -135,10 +135,11 @@ class StepPipeline:
         """A ring slot for a snapshot of `words` words (may wait for a slot's copy; see SnapshotRing)."""
         return self.ring.acquire(words)
 
-    def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, after) -> None:
+    def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, cleared: np.ndarray, after) -> None:
         """Enqueue the step's device work on every device's manager stream, each after the previous step's
         finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.parts
-        and their ready events. cells/values: the table deltas."""
+        and their ready events. The table deltas: cells (int64) and values (int32), and the ranges cleared
+        to BAD, cleared (int64 [n, 2], [lo, hi); PageTable.logged)."""
         step.parts = [DevicePart(m.rank, m.backend, m.outputs) for m in self.mirrors]
         prev = self._prev.parts if self._prev is not None else ()
         for part in prev:
@@ -147,7 +148,7 @@ class StepPipeline:
             for event in after:
                 m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
-        self._enqueue(step, slot, cells, values, self._cu_tokens(step.num_tokens), allow_delta)
+        self._enqueue(step, slot, cells, values, cleared, self._cu_tokens(step.num_tokens), allow_delta)
         self.force_full = False
         self._prev = step
         for m in self.mirrors:
@@ -163,12 +164,13 @@ class StepPipeline:
             self._cu_of, self._cu = num_tokens, cu
         return self._cu
 
-    def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
+    def _enqueue(self, step: Step, slot, cells, values, cleared, cu_tokens, allow_delta: bool) -> None:
         rebuilt, held = self._entries(step, allow_delta)
         step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
-                              pad_to=step.pad_to, rebuilt=rebuilt, held=held)
+                              pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared)
+        num_cells = len(cells) + int((cleared[:, 1] - cleared[:, 0]).sum()) if len(cleared) else len(cells)
         # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
         # bucket cover one at least), or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
@@ -182,7 +184,7 @@ class StepPipeline:
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU time every step, and the slot is reused only later).
             try:
-                part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, len(cells), entries,
+                part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, num_cells, entries,
                                                     tokens, graph)
             except BaseException:
                 # A run that failed part-way may have enqueued what reads the slot (the copy, a launch whose
@@ -225,7 +227,7 @@ class StepPipeline:
             m.backend.stream.synchronize()
             mirror = m.backend.to_numpy(m.mirror).reshape(-1)
             ok = np.ones(mirror.size, bool)
-            ok[table.logged()] = False
+            ok[table.logged_cells()] = False
             bad = np.flatnonzero(ok & (mirror != table.flat))
             if len(bad):
                 raise AssertionError(f"device {m.rank}'s mirror differs from the host table at {len(bad)} cells, "
@@ -246,7 +248,7 @@ class UnsafeStaging(StepPipeline):
     def acquire(self, words: int):
         return None
 
-    def _enqueue(self, step: Step, slot, cells, values, cu_tokens, allow_delta: bool) -> None:
+    def _enqueue(self, step: Step, slot, cells, values, cleared, cu_tokens, allow_delta: bool) -> None:
         # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
         # pinned allocation of that size class) gets the block the previous one dropped.
         words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,

@@ -124,6 +124,8 @@ def runs_from_cells(cells: np.ndarray):
 
 _NO_RUNS = (NO_INDEX, np.zeros(1, np.int64))     # read-only use: packed, never written
 _NO_RUNS[1].flags.writeable = False
+_ONE_BAD = np.full(1, BAD, np.int32)
+_ONE_BAD.flags.writeable = False
 
 # A run of at least this many cells that are all BAD (a freed row, a released window) ships BAD once: a
 # fill run. (The layout and the kernels take a fill run of any value; only BAD is worth looking for.)
@@ -168,21 +170,30 @@ def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_wi
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
                   cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, rebuilt=None,
-                  held=None) -> int:
+                  held=None, cleared=None) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); rebuilt: DELTA mode's
-    entries to write whole (None: none); held: the rows kept past the batch (None: none).
+    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); cleared: int64 [n, 2], flat
+    ranges [lo, hi) that hold BAD in every cell (None: none), each shipped as a fill run after the cells'
+    runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch
+    (None: none).
     """
     run_start, run_coff = runs_from_cells(cells)
     run_value, shipped = run_values(run_coff, values)
+    if cleared is not None and len(cleared):
+        lo, hi = cleared[:, 0], cleared[:, 1]
+        run_start = np.concatenate((run_start, lo))
+        run_coff = np.concatenate((run_coff, run_coff[-1] + (hi - lo).cumsum()))
+        # every range's one value is the same BAD, shipped once after the cells' values
+        run_value = np.concatenate((run_value, np.full(len(lo), ~len(shipped), np.int64)))
+        shipped = np.concatenate((shipped, _ONE_BAD))
     rebuilt = NO_INDEX if rebuilt is None else rebuilt
     held = NO_INDEX if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
                 cu_tokens, start_pos, rebuilt, held)
-    words = [step_id & 0x7FFFFFFF, len(run_start), len(cells), len(shipped), len(copy_idx), begs.shape[1],
+    words = [step_id & 0x7FFFFFFF, len(run_start), int(run_coff[-1]), len(shipped), len(copy_idx), begs.shape[1],
              scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
     # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
     # of the concatenation, whose cost grows with the number of arrays more than with their data.

@@ -2,11 +2,13 @@
 
 table[p, row, b] is the slot that holds block b of the request in `row` for layer group p, or BAD.
 Cells are addressed by flat index into the table; every write is logged, and the next step's snapshot
-ships the logged cells with their current values (the device mirror applies them in stream order).
+ships the logged cells with their current values (the device mirror applies them in stream order). A row
+cleared whole (a freed or suspended request) is logged as one range, not cell by cell: a 128k-token
+request's row is thousands of cells, and the snapshot ships such a range as one fill run anyway.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 
@@ -26,6 +28,7 @@ class PageTable:
         self.group_base = np.arange(num_groups, dtype=np.int64)[:, None] * (rows * max_blocks)  # [P, 1]
         self._base = [int(b) for b in self.group_base[:, 0]]     # the same, as Python ints
         self._log: List[np.ndarray] = []
+        self._cleared: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written BAD, logged as ranges
 
     def cells(self, p: int, rows, blocks) -> np.ndarray:
         """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
@@ -40,34 +43,29 @@ class PageTable:
         start = self.row_start(p, row)
         return (self.flat[start:start + self.max_blocks] != BAD).nonzero()[0] + start
 
-    def take_row(self, p: int, row: int):
-        """take(row_cells(p, row)) in one pass over the row: clear it; returns (the cells that held a slot,
-        their slots)."""
+    def take_row(self, p: int, row: int) -> np.ndarray:
+        """Clear one row of group p in one pass; returns the slots its held cells had, in block order (the
+        caller's copy). A row whose held cells form one run (most rows: every block, or a window) is cleared
+        with a slice and logged as a range."""
         start = self.row_start(p, row)
         seg = self.flat[start:start + self.max_blocks]
         held = (seg != BAD).nonzero()[0]
         n = len(held)
-        if n and held[-1] - held[0] == n - 1:      # one run (most rows: every block, or a window): slices, not gathers
+        if n and held[-1] - held[0] == n - 1:
             lo = start + int(held[0])
             vals = self.flat[lo:lo + n].copy()
-            return self.write_run(lo, lo + n, BAD), vals
+            self.flat[lo:lo + n] = BAD
+            self._cleared.append((lo, lo + n))
+            return vals
         vals = seg[held]
-        cells = held + start
         if n:
-            self.write(cells, BAD)
-        return cells, vals
+            self.write(held + start, BAD)
+        return vals
 
     def write(self, cells: np.ndarray, values) -> None:
         """Write cells by flat index and log them for the next step's snapshot."""
         self.flat[cells] = values
         self._log.append(cells)
-
-    def write_run(self, lo: int, hi: int, value) -> np.ndarray:
-        """write(np.arange(lo, hi), value) with a slice: the flat cells [lo, hi), logged; returns those cells."""
-        self.flat[lo:hi] = value
-        cells = np.arange(lo, hi, dtype=np.int64)
-        self._log.append(cells)
-        return cells
 
     def take(self, cells: np.ndarray):
         """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch
@@ -81,20 +79,44 @@ class PageTable:
         return cells, vals
 
     # -- the dirty log ---------------------------------------------------------------------------
-    def logged(self) -> np.ndarray:
-        """Cells written since the last clear_log, in order, with repeats (every copy of a cell carries
-        the table's current value, and runs only need adjacent cells: sorting cost more than it saved)."""
+    def logged(self) -> Tuple[np.ndarray, np.ndarray]:
+        """What the next snapshot ships: (cells, cleared). cells: int64, the cells written since the last
+        clear_log, in order, with repeats (every copy of a cell carries the table's current value, and runs
+        only need adjacent cells: sorting cost more than it saved). cleared: int64 [n, 2], the ranges
+        [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
+        freed, then given to a new request in the same interval) is in cells instead, cell by cell."""
+        if self._cleared:
+            still = []
+            for lo, hi in self._cleared:
+                if self.flat[lo:hi].max() == BAD:       # (slots are >= 0)
+                    still.append((lo, hi))
+                else:
+                    self._log.append(np.arange(lo, hi, dtype=np.int64))
+            self._cleared[:] = still
+        cleared = np.array(self._cleared, np.int64).reshape(-1, 2) if self._cleared else _NO_RANGES
         if not self._log:
-            return NO_INDEX
+            return NO_INDEX, cleared
         if len(self._log) > 1:
             self._log[:] = [np.concatenate(self._log)]
-        return self._log[0]
+        return self._log[0], cleared
+
+    def logged_cells(self) -> np.ndarray:
+        """Every cell logged since the last clear_log, the cleared ranges' cells included (in no set order)."""
+        ranges = [np.arange(lo, hi, dtype=np.int64) for lo, hi in self._cleared]
+        return np.concatenate(self._log + ranges) if self._log or ranges else NO_INDEX
 
     def num_logged(self) -> int:
-        return sum(map(len, self._log)) if self._log else 0
+        """An upper bound of the cells the next snapshot ships (a cleared range counts its every cell)."""
+        n = sum(map(len, self._log)) if self._log else 0
+        return n + sum(hi - lo for lo, hi in self._cleared) if self._cleared else n
 
     def clear_log(self) -> None:
         self._log.clear()
+        self._cleared.clear()
 
     def state(self) -> tuple:
-        return self.array.tobytes(), self.logged().tobytes()
+        return self.array.tobytes(), np.sort(self.logged_cells()).tobytes()
+
+
+_NO_RANGES = np.zeros((0, 2), np.int64)
+_NO_RANGES.flags.writeable = False

@@ -336,9 +336,10 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
 
 
 def test_take_row_by_slices_matches_the_gathers():
-    """PageTable.take_row clears a row whose held cells form one run with slices instead of gathers: the
-    cells and slots it returns, the table after it and its dirty log are what gathering the row's held
-    cells gives, for rows of one run, of several runs, of one cell and of none."""
+    """PageTable.take_row clears a row whose held cells form one run with a slice, logged as a range,
+    instead of gathers: the slots it returns, the table after it and the cells its dirty log covers are
+    what gathering the row's held cells gives, for rows of one run, of several runs, of one cell and of
+    none; a range is logged as cleared only while it holds BAD."""
     from cupykv.backends import make_backends
     from cupykv.table import PageTable
     rng = np.random.default_rng(3)
@@ -362,15 +363,25 @@ def test_take_row_by_slices_matches_the_gathers():
         table.array[1 - p, row] = 7                 # the other group's row and the other rows stay
         before = table.array.copy()
         want_cells = np.flatnonzero(seg != BAD) + (p * rows + row) * B
-        cells, vals = table.take_row(p, row)
-        assert cells.dtype == np.int64 and vals.dtype == np.int32
-        assert np.array_equal(cells, want_cells) and np.array_equal(vals, seg[seg != BAD]), trial
+        vals = table.take_row(p, row)
+        assert vals.dtype == np.int32 and np.array_equal(vals, seg[seg != BAD]), trial
         after = before.copy()
         after[p, row] = BAD
         assert np.array_equal(table.array, after), trial
-        assert np.array_equal(table.logged(), want_cells), trial
+        assert np.array_equal(np.sort(table.logged_cells()), want_cells), trial
+        assert table.num_logged() == len(want_cells), trial
+        cells, cleared = table.logged()
+        shipped = np.concatenate([cells] + [np.arange(lo, hi) for lo, hi in cleared.tolist()])
+        assert np.array_equal(np.sort(shipped), want_cells), trial
+        assert all(np.all(table.flat[lo:hi] == BAD) for lo, hi in cleared.tolist()), trial
         vals[:] = 5                                 # the slots are the caller's copy
         assert np.array_equal(table.array, after), trial
+        if len(cleared):                            # written again before the step: its cells, one by one
+            lo, hi = cleared[0].tolist()
+            table.write(np.array([hi - 1], np.int64), 9)
+            cells, cleared = table.logged()
+            assert len(cleared) == 0 and set(range(lo, hi)) <= set(cells.tolist()), trial
+            assert table.flat[hi - 1] == 9
 
 
 # -- steps with no entries, and a step whose launch fails ------------------------------------------------
