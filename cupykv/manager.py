@@ -36,6 +36,9 @@ from .step import DeviceStep, Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
+# A row releasing at least this many window blocks in one settle (a long chunk's) clears them as one range
+# (PageTable.take_blocks) rather than cell by cell; a decode step releases a block or two per row.
+_RANGE_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
@@ -44,7 +47,12 @@ def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     if len(rows) == 0:
         return rows, lo
     count = hi - lo
-    if count.max() == 1:                     # the decode case: one block per row
+    return _range_pairs(rows, lo, count, count.max())
+
+
+def _range_pairs(rows: np.ndarray, lo: np.ndarray, count: np.ndarray, longest):
+    """_expand_ranges of the ranges [lo, lo + count) (count >= 1; longest = count.max())."""
+    if longest == 1:                     # the decode case: one block per row
         return rows, lo
     # (methods rather than np.* functions: at these sizes the dispatch costs more than the work)
     ends = count.cumsum()
@@ -605,11 +613,22 @@ class KVCacheManager:
             moved = (end > done).nonzero()[0]
             if len(moved):
                 r, hi = rows[moved], end[moved]
-                pair_rows, blocks = _expand_ranges(r, done[moved], hi)
-                cells = self.page_table.cells(g.index, pair_rows, blocks)
                 if self.cache is None:
-                    self._release(g.index, cells, tag)
+                    lo = done[moved]
+                    count = hi - lo
+                    longest = count.max()
+                    if longest >= _RANGE_BLOCKS:    # a long chunk's settle: each long range cleared as one
+                        whole = count >= _RANGE_BLOCKS
+                        for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
+                            self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)
+                        part = ~whole
+                        pair_rows, blocks = _expand_ranges(r[part], lo[part], hi[part])
+                    else:
+                        pair_rows, blocks = _range_pairs(r, lo, count, longest)
+                    self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag)
                 else:       # blocks outside every retained window leave the cache once nobody holds them
+                    pair_rows, blocks = _expand_ranges(r, done[moved], hi)
+                    cells = self.page_table.cells(g.index, pair_rows, blocks)
                     drop = self.cache.leaving(g, r.tolist(), np.cumsum(hi - done[moved]).tolist(), blocks.tolist(),
                                               self.page_table.flat[cells].tolist())   # each row's blocks in order
                     self._release(g.index, cells, tag)
@@ -627,7 +646,7 @@ class KVCacheManager:
     def _release_row(self, row: int, tag: int) -> None:
         """_release of every cell of a row that holds a slot, in every group (a freed or suspended request)."""
         for p in range(self.layout.num_groups):
-            self.pools[p].release(self.page_table.take_row(p, row), tag)
+            self.pools[p].release(self.page_table.take_blocks(p, row), tag)
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):

@@ -135,11 +135,12 @@ class StepPipeline:
         """A ring slot for a snapshot of `words` words (may wait for a slot's copy; see SnapshotRing)."""
         return self.ring.acquire(words)
 
-    def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, cleared: np.ndarray, after) -> None:
+    def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, cleared: Optional[np.ndarray],
+               after) -> None:
         """Enqueue the step's device work on every device's manager stream, each after the previous step's
         finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.parts
         and their ready events. The table deltas: cells (int64) and values (int32), and the ranges cleared
-        to BAD, cleared (int64 [n, 2], [lo, hi); PageTable.logged)."""
+        to BAD, cleared (None or int64 [n, 2], [lo, hi); PageTable.logged)."""
         step.parts = [DevicePart(m.rank, m.backend, m.outputs) for m in self.mirrors]
         prev = self._prev.parts if self._prev is not None else ()
         for part in prev:
@@ -170,7 +171,7 @@ class StepPipeline:
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared)
-        num_cells = len(cells) + int((cleared[:, 1] - cleared[:, 0]).sum()) if len(cleared) else len(cells)
+        num_cells = len(cells) if cleared is None else len(cells) + int((cleared[:, 1] - cleared[:, 0]).sum())
         # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
         # bucket cover one at least), or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)

@@ -175,25 +175,27 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); cleared: int64 [n, 2], flat
-    ranges [lo, hi) that hold BAD in every cell (None: none), each shipped as a fill run after the cells'
+    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); cleared: None or int64
+    [n >= 1, 2], flat ranges [lo, hi) that hold BAD in every cell, each shipped as a fill run after the cells'
     runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch
     (None: none).
     """
     run_start, run_coff = runs_from_cells(cells)
     run_value, shipped = run_values(run_coff, values)
-    if cleared is not None and len(cleared):
+    num_cells = len(cells)
+    if cleared is not None:
         lo, hi = cleared[:, 0], cleared[:, 1]
         run_start = np.concatenate((run_start, lo))
         run_coff = np.concatenate((run_coff, run_coff[-1] + (hi - lo).cumsum()))
         # every range's one value is the same BAD, shipped once after the cells' values
         run_value = np.concatenate((run_value, np.full(len(lo), ~len(shipped), np.int64)))
         shipped = np.concatenate((shipped, _ONE_BAD))
+        num_cells = int(run_coff[-1])
     rebuilt = NO_INDEX if rebuilt is None else rebuilt
     held = NO_INDEX if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
                 cu_tokens, start_pos, rebuilt, held)
-    words = [step_id & 0x7FFFFFFF, len(run_start), int(run_coff[-1]), len(shipped), len(copy_idx), begs.shape[1],
+    words = [step_id & 0x7FFFFFFF, len(run_start), num_cells, len(shipped), len(copy_idx), begs.shape[1],
              scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
     # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
     # of the concatenation, whose cost grows with the number of arrays more than with their data.

@@ -8,7 +8,7 @@ request's row is thousands of cells, and the snapshot ships such a range as one 
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -43,19 +43,19 @@ class PageTable:
         start = self.row_start(p, row)
         return (self.flat[start:start + self.max_blocks] != BAD).nonzero()[0] + start
 
-    def take_row(self, p: int, row: int) -> np.ndarray:
-        """Clear one row of group p in one pass; returns the slots its held cells had, in block order (the
-        caller's copy). A row whose held cells form one run (most rows: every block, or a window) is cleared
-        with a slice and logged as a range."""
-        start = self.row_start(p, row)
-        seg = self.flat[start:start + self.max_blocks]
+    def take_blocks(self, p: int, row: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+        """Clear blocks [lo, hi) of one row of group p (default: the whole row) in one pass; returns the
+        slots its held cells had, in block order (the caller's copy). Held cells that form one run (most
+        rows: every block, or a window) are cleared with a slice and logged as a range."""
+        start = self.row_start(p, row) + lo
+        seg = self.flat[start:start + ((self.max_blocks if hi is None else hi) - lo)]
         held = (seg != BAD).nonzero()[0]
         n = len(held)
         if n and held[-1] - held[0] == n - 1:
-            lo = start + int(held[0])
-            vals = self.flat[lo:lo + n].copy()
-            self.flat[lo:lo + n] = BAD
-            self._cleared.append((lo, lo + n))
+            a = start + int(held[0])
+            vals = self.flat[a:a + n].copy()
+            self.flat[a:a + n] = BAD
+            self._cleared.append((a, a + n))
             return vals
         vals = seg[held]
         if n:
@@ -79,11 +79,11 @@ class PageTable:
         return cells, vals
 
     # -- the dirty log ---------------------------------------------------------------------------
-    def logged(self) -> Tuple[np.ndarray, np.ndarray]:
+    def logged(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """What the next snapshot ships: (cells, cleared). cells: int64, the cells written since the last
         clear_log, in order, with repeats (every copy of a cell carries the table's current value, and runs
-        only need adjacent cells: sorting cost more than it saved). cleared: int64 [n, 2], the ranges
-        [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
+        only need adjacent cells: sorting cost more than it saved). cleared: None, or int64 [n, 2], the
+        ranges [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
         freed, then given to a new request in the same interval) is in cells instead, cell by cell."""
         if self._cleared:
             still = []
@@ -93,7 +93,7 @@ class PageTable:
                 else:
                     self._log.append(np.arange(lo, hi, dtype=np.int64))
             self._cleared[:] = still
-        cleared = np.array(self._cleared, np.int64).reshape(-1, 2) if self._cleared else _NO_RANGES
+        cleared = np.array(self._cleared, np.int64).reshape(-1, 2) if self._cleared else None
         if not self._log:
             return NO_INDEX, cleared
         if len(self._log) > 1:
@@ -117,6 +117,3 @@ class PageTable:
     def state(self) -> tuple:
         return self.array.tobytes(), np.sort(self.logged_cells()).tobytes()
 
-
-_NO_RANGES = np.zeros((0, 2), np.int64)
-_NO_RANGES.flags.writeable = False

@@ -143,6 +143,53 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
     assert crossed > 5 and stale > 5, (crossed, stale)      # the workload exercised both fast paths
 
 
+@pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
+def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
+    """A settle whose rows release many window blocks at once (a long chunk's: at least the manager's
+    _RANGE_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
+    as a fill run), beside rows that release a block or none in the same settle; with scratch reuse the
+    range holds scratch blocks without a slot (not one run). Checked against the oracle's model (the blocks
+    that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
+    reference; chunks are settled one step late, and each request's row is freed and taken by the next
+    request in the same interval."""
+    from cupykv.manager import _RANGE_BLOCKS
+    from oracle import Modelled
+    spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                            max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
+                            swa_scratch_reuse=scratch)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    tw, cap = Modelled(mgr), Capture(mgr)
+    ranges = []
+    take_blocks = mgr.page_table.take_blocks
+    mgr.page_table.take_blocks = lambda p, row, lo=0, hi=None: ranges.append(hi) or take_blocks(p, row, lo, hi)
+    long_chunk = (_RANGE_BLOCKS + 40) * TPB
+    pending = []
+
+    def step(contexts, generation=()):
+        pending.append(tw.prepare(contexts, generation))
+        cap.consume(pending[-1])
+        if len(pending) == 2:
+            tw.settle(pending.pop(0))
+            tw.check()
+
+    for rid, n in (("d0", 30), ("d1", 50)):
+        tw.add(rid, n)
+    step({"d0": 30, "d1": 50})
+    for it in range(8):
+        rid = f"L{it}"
+        tw.add(rid, 2 * long_chunk + 5)
+        # two long chunks of one request in a row (the second prepared before the first settles), then its tail
+        for n in (long_chunk, long_chunk, 5):
+            step({rid: n}, ["d0", "d1"] if it % 2 and n == 5 or it % 4 == 3 else ())
+        tw.free(rid)                    # its row: the next request's, in the same interval
+    for s in pending:
+        tw.settle(s)
+    tw.check()
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    assert sum(hi is not None for hi in ranges) >= 8, ranges        # the range path ran
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypatch):
     """A small decode batch skips the block and max_seq_len checks while its steps fit the list's room
@@ -335,8 +382,8 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
         assert new.tobytes() == old.tobytes()
 
 
-def test_take_row_by_slices_matches_the_gathers():
-    """PageTable.take_row clears a row whose held cells form one run with a slice, logged as a range,
+def test_take_blocks_by_slices_matches_the_gathers():
+    """PageTable.take_blocks clears a row whose held cells form one run with a slice, logged as a range,
     instead of gathers: the slots it returns, the table after it and the cells its dirty log covers are
     what gathering the row's held cells gives, for rows of one run, of several runs, of one cell and of
     none; a range is logged as cleared only while it holds BAD."""
@@ -363,7 +410,7 @@ def test_take_row_by_slices_matches_the_gathers():
         table.array[1 - p, row] = 7                 # the other group's row and the other rows stay
         before = table.array.copy()
         want_cells = np.flatnonzero(seg != BAD) + (p * rows + row) * B
-        vals = table.take_row(p, row)
+        vals = table.take_blocks(p, row)
         assert vals.dtype == np.int32 and np.array_equal(vals, seg[seg != BAD]), trial
         after = before.copy()
         after[p, row] = BAD
@@ -371,6 +418,7 @@ def test_take_row_by_slices_matches_the_gathers():
         assert np.array_equal(np.sort(table.logged_cells()), want_cells), trial
         assert table.num_logged() == len(want_cells), trial
         cells, cleared = table.logged()
+        cleared = np.zeros((0, 2), np.int64) if cleared is None else cleared
         shipped = np.concatenate([cells] + [np.arange(lo, hi) for lo, hi in cleared.tolist()])
         assert np.array_equal(np.sort(shipped), want_cells), trial
         assert all(np.all(table.flat[lo:hi] == BAD) for lo, hi in cleared.tolist()), trial
@@ -380,7 +428,7 @@ def test_take_row_by_slices_matches_the_gathers():
             lo, hi = cleared[0].tolist()
             table.write(np.array([hi - 1], np.int64), 9)
             cells, cleared = table.logged()
-            assert len(cleared) == 0 and set(range(lo, hi)) <= set(cells.tolist()), trial
+            assert cleared is None and set(range(lo, hi)) <= set(cells.tolist()), trial
             assert table.flat[hi - 1] == 9
 
 
