@@ -36,8 +36,9 @@ from .step import DeviceStep, Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
-# A row releasing at least this many window blocks in one settle (a long chunk's) clears them as one range
-# (PageTable.take_blocks) rather than cell by cell; a decode step releases a block or two per row.
+# A row releasing at least this many window blocks in one settle (a long chunk's, without scratch reuse)
+# clears them as one range (PageTable.take_blocks) rather than cell by cell; a decode step releases a block
+# or two per row.
 _RANGE_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
@@ -617,7 +618,9 @@ class KVCacheManager:
                     lo = done[moved]
                     count = hi - lo
                     longest = count.max()
-                    if longest >= _RANGE_BLOCKS:    # a long chunk's settle: each long range cleared as one
+                    # A long chunk's settle clears each long range as one, unless the group reuses scratch: then
+                    # most of such a range is scratch blocks that never held a slot, and cells cost less.
+                    if longest >= _RANGE_BLOCKS and not g.scratch_reuse:
                         whole = count >= _RANGE_BLOCKS
                         for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
                             self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)

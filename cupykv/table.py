@@ -15,6 +15,11 @@ import numpy as np
 from .layout import BAD, NO_INDEX
 
 
+# A run of cleared cells at least this long is logged as a range (PageTable.take_blocks); a shorter one (a
+# window's few blocks) as cells.
+RANGE_MIN_CELLS = 64
+
+
 class PageTable:
     """int32 [P, rows, B] in pinned memory (the unsafe staging mode copies from it directly; the snapshot
     mode never lets the copy engine read it), and the flat cells written since the last step."""
@@ -46,7 +51,8 @@ class PageTable:
     def take_blocks(self, p: int, row: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
         """Clear blocks [lo, hi) of one row of group p (default: the whole row) in one pass; returns the
         slots its held cells had, in block order (the caller's copy). Held cells that form one run (most
-        rows: every block, or a window) are cleared with a slice and logged as a range."""
+        rows: every block, or a window) are cleared with a slice, and logged as a range when the run is long
+        (a range costs the snapshot a few numpy calls, a cell next to nothing)."""
         start = self.row_start(p, row) + lo
         seg = self.flat[start:start + ((self.max_blocks if hi is None else hi) - lo)]
         held = (seg != BAD).nonzero()[0]
@@ -55,7 +61,10 @@ class PageTable:
             a = start + int(held[0])
             vals = self.flat[a:a + n].copy()
             self.flat[a:a + n] = BAD
-            self._cleared.append((a, a + n))
+            if n >= RANGE_MIN_CELLS:
+                self._cleared.append((a, a + n))
+            else:
+                self._log.append(np.arange(a, a + n, dtype=np.int64))
             return vals
         vals = seg[held]
         if n:
