@@ -33,13 +33,9 @@ from .requests import GenBatch, Request, RequestId, RequestTable, frozen
 from .spec import INT32_MAX, CacheSpec
 from .staging import snapshot_words
 from .step import DeviceStep, Step
-from .table import PageTable
+from .table import RANGE_MIN_CELLS, PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
-# A row releasing at least this many window blocks in one settle (a long chunk's, without scratch reuse)
-# clears them as one range (PageTable.take_blocks) rather than cell by cell; a decode step releases a block
-# or two per row.
-_RANGE_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
@@ -618,10 +614,11 @@ class KVCacheManager:
                     lo = done[moved]
                     count = hi - lo
                     longest = count.max()
-                    # A long chunk's settle clears each long range as one, unless the group reuses scratch: then
-                    # most of such a range is scratch blocks that never held a slot, and cells cost less.
-                    if longest >= _RANGE_BLOCKS and not g.scratch_reuse:
-                        whole = count >= _RANGE_BLOCKS
+                    # A long chunk's settle clears each long range as one (a decode step's rows release a block
+                    # or two), unless the group reuses scratch: then most of such a range is scratch blocks that
+                    # never held a slot, and cells cost less.
+                    if longest >= RANGE_MIN_CELLS and not g.scratch_reuse:
+                        whole = count >= RANGE_MIN_CELLS
                         for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
                             self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)
                         part = ~whole

@@ -2,9 +2,10 @@
 
 table[p, row, b] is the slot that holds block b of the request in `row` for layer group p, or BAD.
 Cells are addressed by flat index into the table; every write is logged, and the next step's snapshot
-ships the logged cells with their current values (the device mirror applies them in stream order). A row
-cleared whole (a freed or suspended request) is logged as one range, not cell by cell: a 128k-token
-request's row is thousands of cells, and the snapshot ships such a range as one fill run anyway.
+ships the logged cells with their current values (the device mirror applies them in stream order). A long
+run of cells cleared at once (a freed or suspended request's row, a long chunk's window release) is logged
+as one range, not cell by cell: a 128k-token request's row is thousands of cells, and the snapshot ships
+such a range as one fill run anyway.
 """
 from __future__ import annotations
 

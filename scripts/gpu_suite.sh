@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [ab] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [probes] [tier-copies] [footprint]
+# [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [idle] [probes] [tier-copies] [footprint]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -101,6 +101,8 @@ for part in $parts; do
       for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
       timeout 120 python3 scripts/host_floor.py 1 256 >>"$OUT/census.log" 2>&1
       cat "$OUT/census.log" ;;
+    idle)   # a decode step's host time after a sleeping wait, a spinning one and none (scripts/host_idle_probe.py)
+      run host_idle_probe timeout 240 python3 scripts/host_idle_probe.py 1 256; cat "$OUT/host_idle_probe.log" ;;
     footprint)   # a settle's host time alone and right after the CUDA calls of a step (scripts/driver_footprint.py)
       run driver_footprint timeout 180 python3 scripts/driver_footprint.py; cat "$OUT/driver_footprint.log"
       for cond in plain import context cuda-manager pinned plain; do   # the process alone, then with CUDA in it
@@ -129,6 +131,16 @@ for part in $parts; do
         done
       done
       cat "$OUT/ab.log" ;;
+    ab-workload)   # the benchmark's own steps (churn decode, ctx), this tree's and each AB_TREES tree's in turn in
+                   # one process, CUDA; then this tree's PER_LAYER and SHARED managers side by side
+      for tree in ${AB_TREES:-old_tree}; do
+        [ -d "$tree/cupykv" ] || continue
+        for args in "--workload" "--workload --contexts 8"; do
+          timeout 240 python3 scripts/ab_in_process.py "$tree" $args --backend cuda >>"$OUT/ab_workload.log" 2>&1
+        done
+      done
+      timeout 240 python3 scripts/ab_in_process.py --shared --workload --backend cuda >>"$OUT/ab_workload.log" 2>&1
+      cat "$OUT/ab_workload.log" ;;
     profile-ab)   # each tree's own host_calls (this one and AB_TREES), interleaved twice (separate processes,
                   # whose speeds differ: ab compares trees in one process);
                   # AB_BATCHES: the batch sizes (default 256)

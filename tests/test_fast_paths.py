@@ -146,13 +146,13 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 @pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
 def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
     """A settle whose rows release many window blocks at once (a long chunk's: at least the manager's
-    _RANGE_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
+    RANGE_MIN_CELLS) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
     as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
     range is mostly scratch blocks without a slot, and goes cell by cell. Checked against the oracle's model (the blocks
     that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
     reference; chunks are settled one step late, and each request's row is freed and taken by the next
     request in the same interval."""
-    from cupykv.manager import _RANGE_BLOCKS
+    from cupykv.table import RANGE_MIN_CELLS
     from oracle import Modelled
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
@@ -162,7 +162,7 @@ def test_long_window_releases_by_range_match_model_and_reference(backend_name, m
     ranges = []
     take_blocks = mgr.page_table.take_blocks
     mgr.page_table.take_blocks = lambda p, row, lo=0, hi=None: ranges.append(hi) or take_blocks(p, row, lo, hi)
-    long_chunk = (_RANGE_BLOCKS + 40) * TPB
+    long_chunk = (RANGE_MIN_CELLS + 40) * TPB
     pending = []
 
     def step(contexts, generation=()):
