@@ -95,20 +95,24 @@ class PageTable:
         only need adjacent cells: sorting cost more than it saved). cleared: None, or int64 [n, 2], the
         ranges [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
         freed, then given to a new request in the same interval) is in cells instead, cell by cell."""
-        if self._cleared:
-            still = []
-            for lo, hi in self._cleared:
-                if self.flat[lo:hi].max() == BAD:       # (slots are >= 0)
-                    still.append((lo, hi))
-                else:
-                    self._log.append(np.arange(lo, hi, dtype=np.int64))
-            self._cleared[:] = still
-        cleared = np.array(self._cleared, np.int64).reshape(-1, 2) if self._cleared else None
-        if not self._log:
+        cleared = self._still_cleared() if self._cleared else None
+        log = self._log
+        if not log:
             return NO_INDEX, cleared
-        if len(self._log) > 1:
-            self._log[:] = [np.concatenate(self._log)]
-        return self._log[0], cleared
+        if len(log) > 1:
+            log[:] = [np.concatenate(log)]
+        return log[0], cleared
+
+    def _still_cleared(self) -> Optional[np.ndarray]:
+        """logged()'s cleared ranges; the cells of those written again go into the log."""
+        still = []
+        for lo, hi in self._cleared:
+            if self.flat[lo:hi].max() == BAD:       # (slots are >= 0)
+                still.append((lo, hi))
+            else:
+                self._log.append(np.arange(lo, hi, dtype=np.int64))
+        self._cleared[:] = still
+        return np.array(still, np.int64).reshape(-1, 2) if still else None
 
     def logged_cells(self) -> np.ndarray:
         """Every cell logged since the last clear_log, the cleared ranges' cells included (in no set order)."""
