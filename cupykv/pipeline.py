@@ -24,8 +24,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .layout import BAD, NO_INDEX, Layout
-from .staging import (GRAPH_MIN_TOKENS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets, pack_snapshot,
-                      pow2_buckets, snapshot_words)
+from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets,
+                      pack_snapshot, pow2_buckets, snapshot_words)
 from .entries import EntryMap, most_rebuilt
 from .step import DevicePart, Step, StepOutputs
 
@@ -171,7 +171,7 @@ class StepPipeline:
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared)
-        num_cells = len(cells) if cleared is None else len(cells) + int((cleared[:, 1] - cleared[:, 0]).sum())
+        num_cells = len(cells) if cleared is None else int(slot.host[H_NUM_CELLS])     # (the ranges' cells too)
         # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
         # bucket cover one at least), or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)

@@ -91,8 +91,8 @@ class PageTable:
     # -- the dirty log ---------------------------------------------------------------------------
     def logged(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """What the next snapshot ships: (cells, cleared). cells: int64, the cells written since the last
-        clear_log, in order, with repeats (every copy of a cell carries the table's current value, and runs
-        only need adjacent cells: sorting cost more than it saved). cleared: None, or int64 [n, 2], the
+        clear_log, in the order logged, with repeats (every copy of a cell carries the table's current value,
+        and runs only need adjacent cells: sorting cost more than it saved). cleared: None, or int64 [n, 2], the
         ranges [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
         freed, then given to a new request in the same interval) is in cells instead, cell by cell."""
         cleared = self._still_cleared() if self._cleared else None

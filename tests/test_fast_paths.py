@@ -157,38 +157,55 @@ def test_long_window_releases_by_range_match_model_and_reference(backend_name, m
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
                             swa_scratch_reuse=scratch)
-    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name, debug_verify_mirror=True)
     tw, cap = Modelled(mgr), Capture(mgr)
-    ranges = []
-    take_blocks = mgr.page_table.take_blocks
-    mgr.page_table.take_blocks = lambda p, row, lo=0, hi=None: ranges.append(hi) or take_blocks(p, row, lo, hi)
+    calls = {"range": 0, "cells": 0}        # window releases in the settle running now: by range, by cells
+    table = mgr.page_table
+    take_blocks, take = table.take_blocks, table.take
+
+    def counted_take_blocks(p, row, lo=0, hi=None):
+        calls["range"] += hi is not None
+        return take_blocks(p, row, lo, hi)
+
+    def counted_take(cells):
+        calls["cells"] += len(cells) > 0
+        return take(cells)
+
+    table.take_blocks, table.take = counted_take_blocks, counted_take
     long_chunk = (RANGE_MIN_CELLS + 40) * TPB
-    pending = []
+    pending, mixed, by_range = [], 0, 0
 
     def step(contexts, generation=()):
+        nonlocal mixed, by_range
         pending.append(tw.prepare(contexts, generation))
         cap.consume(pending[-1])
         if len(pending) == 2:
+            calls.update(range=0, cells=0)
             tw.settle(pending.pop(0))
+            mixed += calls["range"] > 0 and calls["cells"] > 0
+            by_range += calls["range"]
             tw.check()
 
     for rid, n in (("d0", 30), ("d1", 50)):
         tw.add(rid, n)
     step({"d0": 30, "d1": 50})
     for it in range(8):
-        rid = f"L{it}"
+        rid, short = f"L{it}", f"S{it}"
         tw.add(rid, 2 * long_chunk + 5)
-        # two long chunks of one request in a row (the second prepared before the first settles), then its tail
-        for n in (long_chunk, long_chunk, 5):
-            step({rid: n}, ["d0", "d1"] if it % 2 and n == 5 or it % 4 == 3 else ())
+        tw.add(short, 12 * TPB)
+        # two long chunks of one request in a row (the second prepared before the first settles), the first
+        # beside a short request's whole prompt (its settle releases a few window blocks: cells), then the tail
+        for chunks in ({rid: long_chunk, short: 12 * TPB}, {rid: long_chunk}, {rid: 5}):
+            step(chunks, ["d0", "d1"] if it % 2 and rid not in chunks or it % 4 == 3 else ())
         tw.free(rid)                    # its row: the next request's, in the same interval
+        tw.free(short)
     for s in pending:
         tw.settle(s)
     tw.check()
     mgr.synchronize()
     assert cap.mismatches() == []
-    by_range = sum(hi is not None for hi in ranges)                 # take_blocks of part of a row
-    assert by_range == 0 if scratch else by_range >= 8, ranges
+    # without scratch reuse, long ranges and short ones in one settle; with it, every release by cells
+    assert (by_range, mixed) == (0, 0) if scratch else (by_range >= 8 and mixed >= 8), (by_range, mixed)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -527,3 +544,134 @@ def test_a_failed_launch_keeps_its_ring_slot_until_the_stream_ran_it(monkeypatch
     gate.open()
     be.synchronize()
     assert np.array_equal(be.to_numpy(seen)[:, :2], expected_tables(mgr, g_table, g))
+
+
+def test_a_step_that_ships_only_ranges(backend_name):
+    """A step whose table changes are only cleared ranges (a freed request's row, and a decode step that
+    opens no block) still applies them: its apply grid counts the ranges' cells. The mirror is checked
+    against the host table after the step, and the tables against the reference."""
+    spec = cupykv.CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=1024,
+                            max_batch=4, slots_per_group=400)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name, debug_verify_mirror=True)
+    cap = Capture(mgr)
+    mgr.add("long", 100 * TPB)
+    mgr.add("d", TPB + 1)
+    s = mgr.prepare_batch({"long": 100 * TPB, "d": TPB + 1})
+    cap.consume(s)
+    mgr.settle(s)
+    mgr.free("long")                       # 100 blocks: one range
+    cells, cleared = mgr.page_table.logged()
+    assert len(cells) == 0 and cleared is not None and len(cleared) == 1
+    s = mgr.prepare_batch((), ["d"])       # token TPB + 1 opens no block
+    cap.consume(s)
+    mgr.settle(s)
+    mgr.synchronize()
+    assert cap.mismatches() == []
+
+
+def test_ranges_across_features(monkeypatch):
+    """Cleared ranges beside every feature that writes or clears table rows: prefix caching (hits written at
+    add, freed rows), the host tier (suspend clears a row, resume writes it again), two devices, graphs,
+    padding, speculative rejections, steps settled late, and rows freed and taken again in one interval.
+    Every snapshot ships exactly the logged cells with the host table's values (unpacked as the kernels
+    read them), each device's mirror is checked after every step, and every step's tables on every device
+    against the reference."""
+    from cupykv import pipeline
+    from cupykv.backends.host import _deltas
+    from cupykv.storage import KVStorage
+    seen = {"ranges": 0, "expanded": 0}
+    pack, current = pipeline.pack_snapshot, {}
+
+    def checked_pack(buf, *args, cleared=None, **kw):
+        words = pack(buf, *args, cleared=cleared, **kw)
+        mgr = current["mgr"]
+        snap = staging.unpack_snapshot(buf[:words], mgr.layout.num_groups)
+        assert snap["num_cells"] == int(snap["run_coff"][-1])
+        cells, values = _deltas(snap)
+        assert np.array_equal(values, mgr.page_table.flat[cells])
+        assert np.array_equal(np.unique(cells), np.unique(mgr.page_table.logged_cells()))
+        seen["ranges"] += 0 if cleared is None else len(cleared)
+        return words
+
+    monkeypatch.setattr(pipeline, "pack_snapshot", checked_pack)
+    for seed in range(24):
+        rng = np.random.default_rng(seed)
+        caching, scratch = bool(rng.integers(2)), bool(rng.integers(2))
+        tier = rng.random() < (0.3 if caching else 0.6)
+        spec = cupykv.CacheSpec(windows=[32, None, 64], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                                max_seq_len=2048, max_batch=6, slots_per_group=1500, max_rewind=3,
+                                swa_scratch_reuse=scratch, dtype="float32", prefix_caching=caching,
+                                table_mode="shared" if not scratch and rng.integers(2) else "per_layer",
+                                sink_tokens=int(rng.choice([0, 8])))
+        mgr = cupykv.KVCacheManager(spec, backend="host", debug_verify_mirror=True,
+                                    devices=None if tier else [0, 1], use_graphs=bool(rng.integers(2)))
+        current["mgr"] = mgr
+        expand = mgr.page_table._still_cleared
+
+        def counted_expand(expand=expand, table=mgr.page_table):
+            before = len(table._cleared)
+            out = expand()
+            seen["expanded"] += before - (0 if out is None else len(out))
+            return out
+
+        mgr.page_table._still_cleared = counted_expand
+        tier_of = KVStorage(mgr, host_tier_bytes=1 << 22).host_tier if tier else None
+        caps = [Capture(mgr, rank=r) for r in range(len(mgr.backends))]
+        prompts, decoding, suspended, pending, nid = {}, [], set(), [], 0
+
+        def busy():
+            return {r for s, _ in pending for r in s.request_ids}
+
+        for it in range(100):
+            for r in [r for r in decoding if r not in busy() and rng.random() < 0.1]:
+                mgr.free(r)                 # rows given to the adds below, in the same interval
+                decoding.remove(r)
+                suspended.discard(r)
+            while len(prompts) + len(decoding) < spec.max_batch and rng.random() < 0.5:
+                n = int(rng.integers(10, 1900))
+                ids = np.concatenate((1000 + 13 * np.arange(min(n, 700)), 5000 + 977 * nid + np.arange(700, n)))
+                cached = mgr.add(nid, n, tokens=ids) if caching else mgr.add(nid, n)
+                prompts[nid] = n - cached
+                nid += 1
+            if tier_of is not None and not pending:
+                for r in decoding:
+                    if r in suspended and rng.random() < 0.5:
+                        try:
+                            tier_of.resume(r)
+                            suspended.discard(r)
+                        except OutOfSlotsError:
+                            pass
+                    elif r not in suspended and rng.random() < 0.15:
+                        try:
+                            tier_of.suspend(r)
+                            suspended.add(r)
+                        except cupykv.host_tier.HostTierFullError:
+                            pass
+            ctx = {r: min(left, int(rng.choice([8, 100, 700, 1200])))
+                   for r, left in list(prompts.items())[:2] if r not in busy()}
+            k = int(rng.integers(1, 4))
+            gen = [r for r in decoding if r not in suspended and r not in busy()
+                   and mgr.request(r).capacity + k <= spec.max_seq_len]
+            if ctx or gen:
+                pad = int(rng.integers(len(ctx) + len(gen), spec.max_batch + 1)) if rng.random() < 0.3 else None
+                try:
+                    step = mgr.prepare_batch(ctx, gen, num_gen_tokens=k, pad_to=pad)
+                except OutOfSlotsError:
+                    step = None
+                if step is not None:
+                    for c in caps:
+                        c.consume(step)
+                    pending.append((step, {r: int(rng.integers(1, k + 1)) for r in gen}))
+                    for r, n in ctx.items():
+                        prompts[r] -= n
+                        if not prompts[r]:
+                            del prompts[r]
+                            decoding.append(r)
+            while pending and (step is None or len(pending) > int(rng.integers(0, 3))):
+                mgr.settle(*pending.pop(0))
+        while pending:
+            mgr.settle(*pending.pop(0))
+        mgr.synchronize()
+        for c in caps:
+            assert c.mismatches() == [], seed
+    assert seen["ranges"] > 100 and seen["expanded"] > 20, seen
