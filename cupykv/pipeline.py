@@ -171,7 +171,8 @@ class StepPipeline:
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
                               pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared)
-        num_cells = len(cells) if cleared is None else int(slot.host[H_NUM_CELLS])     # (the ranges' cells too)
+        # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
+        num_cells = len(cells) if cleared is None else int(slot.host[H_NUM_CELLS])
         # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
         # bucket cover one at least), or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)

@@ -51,21 +51,18 @@ class PageTable:
 
     def take_blocks(self, p: int, row: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
         """Clear blocks [lo, hi) of one row of group p (default: the whole row) in one pass; returns the
-        slots its held cells had, in block order (the caller's copy). Held cells that form one run (most
-        rows: every block, or a window) are cleared with a slice, and logged as a range when the run is long
-        (a range costs the snapshot a few numpy calls, a cell next to nothing)."""
+        slots its held cells had, in block order (the caller's copy). Held cells that form one long run
+        (a row of a group that keeps every block, a long chunk's window) are cleared with a slice and logged
+        as a range (a range costs the snapshot a few numpy calls, a cell next to nothing)."""
         start = self.row_start(p, row) + lo
         seg = self.flat[start:start + ((self.max_blocks if hi is None else hi) - lo)]
         held = (seg != BAD).nonzero()[0]
         n = len(held)
-        if n and held[-1] - held[0] == n - 1:
+        if n >= RANGE_MIN_CELLS and held[-1] - held[0] == n - 1:
             a = start + int(held[0])
             vals = self.flat[a:a + n].copy()
             self.flat[a:a + n] = BAD
-            if n >= RANGE_MIN_CELLS:
-                self._cleared.append((a, a + n))
-            else:
-                self._log.append(np.arange(a, a + n, dtype=np.int64))
+            self._cleared.append((a, a + n))
             return vals
         vals = seg[held]
         if n:
