@@ -96,6 +96,7 @@ class _Plan:
     gen: Optional[GenBatch]
     gen_cap: np.ndarray                # capacity of each generation entry before this step
     gen_end: np.ndarray                # and after it (gen_cap + k)
+    gen_longest: int                   # gen_end's largest (0 without generation entries)
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
     gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
@@ -384,9 +385,11 @@ class KVCacheManager:
         # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room). A batch whose
         # entries take a block's worth of tokens a step or more nearly always has one at a block's end, and so
         # no room: only smaller ones keep it (working it out costs a few numpy operations).
-        keeps_room = gen is not None and not ctx_rows and len(gen_rows) * k < lay.tpb
+        decode = gen is not None and not ctx_rows
+        known = decode and gen.knows(reqs.cap_writes)
+        keeps_room = decode and len(gen_rows) * k < lay.tpb
         in_room = keeps_room and gen.has_room(k, reqs.cap_writes)
-        longest = int(end.max()) if not in_room and len(end) else 0     # (the room needs it too)
+        longest = gen.longest + k if known else (int(end.max()) if len(end) else 0)
         if longest > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
@@ -404,7 +407,9 @@ class KVCacheManager:
             g = lay.groups[0]
             lo, hi = g.new_blocks(cap, end)
             opened = (hi > lo).nonzero()[0]
-            if len(opened):
+            if len(opened) and k <= lay.tpb:    # k tokens open at most ceil(k / tpb) blocks: one here
+                new_rows, new_blocks = gen_rows[opened], lo[opened]
+            elif len(opened):
                 new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
             else:               # most decode steps open no block: skip the gathers
                 new_rows = new_blocks = NO_INDEX
@@ -434,7 +439,7 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
                                most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
-                     gen, cap, end, new_rows, new_blocks, room, k, M, pad_to, self.pipeline.acquire(words))
+                     gen, cap, end, longest, new_rows, new_blocks, room, k, M, pad_to, self.pipeline.acquire(words))
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -448,8 +453,7 @@ class KVCacheManager:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
             reqs.set_capacity(rows, plan.gen_end)          # = starts + tokens, already computed by the plan
-            if plan.gen_room >= 0:
-                gen.keep_room(plan.gen_room, reqs.cap_writes)
+            gen.keep(plan.gen_room, plan.gen_longest, reqs.cap_writes)
         else:
             gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))

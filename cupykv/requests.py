@@ -82,13 +82,15 @@ class GenBatch:
     rewinds undo only generated tokens). The arrays are shared by the steps that schedule this list, so
     they are read-only.
 
-    room: how many more tokens every entry can take before one of them opens a block or passes
-    max_seq_len, as of the capacities after the table's cap_writes-th capacity write (room_at); a decode
-    step of this list that fits in it skips those checks. The list's own decode steps keep it (keep_room);
-    any other capacity write (a rewind, a step of another list) leaves it stale until one works it out again.
+    As of the capacities after the table's cap_writes-th capacity write (`at`), the list knows its
+    longest entry (`longest`, the largest capacity: a decode step of k tokens checks longest + k against
+    max_seq_len), and may know its room (`room`: how many more tokens every entry can take before one of
+    them opens a block or passes max_seq_len; a decode step of this list that fits in it skips those
+    checks; -1 when not worked out). The list's own decode steps keep both (keep); any other capacity write
+    (a rewind, a step of another list) leaves them stale until a step works them out again.
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "room_at")
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at")
 
     def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
         self.ids = ids
@@ -97,7 +99,7 @@ class GenBatch:
         self.incarnations = frozen(incarnations)
         self.moves = moves
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
-        self.room, self.room_at = 0, -1
+        self.room, self.longest, self.at = -1, 0, -1
 
     def matches(self, ids: List[RequestId], moves: int) -> bool:
         """Equal ids hash equal (Python's rule for dict keys), so with no move since, an equal list maps
@@ -109,14 +111,19 @@ class GenBatch:
         except Exception:        # an id whose == misbehaves (an array): let the full checks report it
             return False
 
+    def knows(self, cap_writes: int) -> bool:
+        """Whether `longest` and `room` hold for the capacities after capacity write cap_writes (the
+        table's latest: this list's own decode step was the last write)."""
+        return self.at == cap_writes
+
     def has_room(self, k: int, cap_writes: int) -> bool:
         """Whether k more tokens for every entry open no block and pass no max_seq_len (see room)."""
-        return self.room_at == cap_writes and k <= self.room
+        return self.at == cap_writes and k <= self.room
 
-    def keep_room(self, room: int, cap_writes: int) -> None:
-        """After a decode step of this list (the capacity write cap_writes): its room, worked out from the
-        capacities or the room before less the step's tokens."""
-        self.room, self.room_at = room, cap_writes
+    def keep(self, room: int, longest: int, cap_writes: int) -> None:
+        """After a decode step of this list (the capacity write cap_writes): its room (-1: not worked out)
+        and its longest entry."""
+        self.room, self.longest, self.at = room, longest, cap_writes
 
     def tokens_for(self, k: int) -> np.ndarray:
         if k != self.k:
@@ -207,7 +214,9 @@ class RequestTable:
         if not gen_ids:
             return None
         try:
-            rows = np.array(itemgetter(*gen_ids)(self.row_of), np.int64).reshape(-1)
+            found = itemgetter(*gen_ids)(self.row_of)       # a tuple, or the one row of a list of one
+            rows = (np.fromiter(found, np.int64, len(gen_ids)) if len(gen_ids) > 1
+                    else np.array([found], np.int64))
         except (KeyError, TypeError):
             bad = next(r for r in gen_ids if not self._known(r))
             raise UnknownRequestError(f"unknown request id {bad!r}") from None

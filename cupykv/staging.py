@@ -127,6 +127,13 @@ _NO_RUNS[1].flags.writeable = False
 _ONE_BAD = np.full(1, BAD, np.int32)
 _ONE_BAD.flags.writeable = False
 
+# A step with at most this many changed cells ships each cell as a run of its own (run_coff 0, 1, 2, ...):
+# finding the runs takes more numpy calls than the words they would save, and a decode step's cells (a
+# block opened or released per row) are seldom adjacent anyway.
+EACH_CELL_MAX = 64
+_EACH_CELL = np.arange(EACH_CELL_MAX + 1, dtype=np.int64)     # read-only use: packed, never written
+_EACH_CELL.flags.writeable = False
+
 # A run of at least this many cells that are all BAD (a freed row, a released window) ships BAD once: a
 # fill run. (The layout and the kernels take a fill run of any value; only BAD is worth looking for.)
 FILL_MIN_RUN = 16
@@ -159,6 +166,17 @@ def run_values(run_coff: np.ndarray, values: np.ndarray):
     return run_value, np.concatenate(pieces)
 
 
+def snapshot_runs(cells: np.ndarray, values: np.ndarray):
+    """(run_start, run_coff, run_value, shipped): the runs pack_snapshot ships changed cells (int64) with
+    values (int32) as. More than EACH_CELL_MAX cells: their runs of adjacent cells (runs_from_cells), a run
+    of FILL_MIN_RUN or more BAD cells as one BAD (run_values); fewer: each cell a run of its own."""
+    if len(cells) <= EACH_CELL_MAX:
+        run_coff = _EACH_CELL[:len(cells) + 1]
+        return cells, run_coff, run_coff[:-1], values
+    run_start, run_coff = runs_from_cells(cells)
+    return (run_start, run_coff) + run_values(run_coff, values)
+
+
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
                    num_runs: int, num_values: int, num_rebuilt: int = 0, num_held: int = 0) -> int:
     """The words of a snapshot with these counts (num_values: the values shipped; at most the changed
@@ -175,13 +193,12 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD (a run of FILL_MIN_RUN or more BAD cells ships one BAD: run_values); cleared: None or int64
+    or BAD, shipped as snapshot_runs gives them; cleared: None or int64
     [n >= 1, 2], flat ranges [lo, hi) that hold BAD in every cell, each shipped as a fill run after the cells'
     runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch
     (None: none).
     """
-    run_start, run_coff = runs_from_cells(cells)
-    run_value, shipped = run_values(run_coff, values)
+    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
     num_cells = len(cells)
     if cleared is not None:
         lo, hi = cleared[:, 0], cleared[:, 1]

@@ -20,7 +20,7 @@ from cupykv.layout import Layout
 from cupykv.pipeline import KernelConsts
 from cupykv.spec import CacheSpec
 from cupykv.staging import (FILL_MIN_RUN, MODE_DELTA, MODE_FULL, RingSlot, graph_buckets, pack_snapshot,
-                            run_values, runs_from_cells, snapshot_words, unpack_snapshot)
+                            snapshot_runs, snapshot_words, unpack_snapshot)
 from oracle import expected_write_positions, reference_tables
 
 BAD = -1
@@ -154,8 +154,7 @@ def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebu
     DELTA step's entries written whole; held: the rows kept past the batch)."""
     cells = case.cells if deltas else np.empty(0, np.int64)
     values = case.new.reshape(-1)[cells]
-    run_start, run_coff = runs_from_cells(cells)
-    shipped = run_values(run_coff, values)[1]
+    run_start, _, _, shipped = snapshot_runs(cells, values)
     rebuilt, held = np.asarray(rebuilt, np.int64), np.asarray(held, np.int64)
     words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
                            len(shipped), len(rebuilt), len(held))

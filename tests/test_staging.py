@@ -5,8 +5,8 @@ import pytest
 import cupykv
 from cupykv.kernels import INLINE_SNAPSHOT_WORDS
 from cupykv.layout import BAD
-from cupykv.staging import (FILL_MIN_RUN, MODE_DELTA, MODE_FULL, pack_snapshot, run_values, runs_from_cells,
-                            snapshot_words, unpack_snapshot)
+from cupykv.staging import (EACH_CELL_MAX, FILL_MIN_RUN, MODE_DELTA, MODE_FULL, pack_snapshot, run_values,
+                            runs_from_cells, snapshot_runs, snapshot_words, unpack_snapshot)
 from oracle import Capture
 
 
@@ -101,6 +101,33 @@ def test_ring_grows_then_raises_when_exhausted(backend_name):
     s = mgr.prepare_batch((), ["a"])                  # a completed slot is reused, the ring stays at 3
     s.finish()
     assert len(mgr.ring.slots) == 3
+
+
+def test_few_cells_ship_each_as_a_run_and_round_trip():
+    """A step of at most EACH_CELL_MAX changed cells (a decode step's few) ships each cell as a run of its
+    own, adjacent ones and repeats included, BAD values among them; unpacked as the kernels read it, every
+    cell carries its value. One more cell, and adjacent cells merge into runs again."""
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 2, EACH_CELL_MAX - 1, EACH_CELL_MAX, EACH_CELL_MAX + 1):
+        cells = np.sort(rng.choice(np.arange(0, 3 * n + 1), n, replace=False)).astype(np.int64)
+        if n > 2:
+            cells[-1] = cells[0]            # a cell logged twice
+        values = rng.integers(-1, 99, n).astype(np.int32)
+        if n:
+            values[cells == cells[0]] = values[0]
+        run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
+        if n <= EACH_CELL_MAX:
+            assert len(run_start) == n and run_coff.tolist() == list(range(n + 1)) and shipped is values
+        else:
+            assert len(run_start) == len(runs_from_cells(cells)[0]) < n       # merged: some cells are adjacent
+        words = snapshot_words(2, 0, 1, 0, len(run_start), len(shipped))
+        buf = np.zeros(words + 3, np.int32)
+        none = np.zeros((1, 0), np.int32)
+        assert pack_snapshot(buf, 3, np.arange(2), none, none, none.reshape(1, 0, 0), cells, values,
+                             np.array([0, 1, 2]), np.array([5, 6])) == words
+        got = unpack_snapshot(buf, 1)
+        assert got["num_cells"] == n
+        assert cell_values(got) == (cells.tolist(), values.tolist())
 
 
 def test_decode_ships_only_what_changed():
