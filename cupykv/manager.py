@@ -407,12 +407,12 @@ class KVCacheManager:
             g = lay.groups[0]
             lo, hi = g.new_blocks(cap, end)
             opened = (hi > lo).nonzero()[0]
-            if len(opened) and k <= lay.tpb:    # k tokens open at most ceil(k / tpb) blocks: one here
-                new_rows, new_blocks = gen_rows[opened], lo[opened]
-            elif len(opened):
-                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-            else:               # most decode steps open no block: skip the gathers
+            if not len(opened):         # most decode steps open no block: skip the gathers
                 new_rows = new_blocks = NO_INDEX
+            elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
+                new_rows, new_blocks = gen_rows[opened], lo[opened]
+            else:
+                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
             if keeps_room:
                 room = min(int(g.block_room(end).min()), spec.max_seq_len - longest)
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
