@@ -24,7 +24,7 @@ from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, SpecTooLargeError, StepOrderError)
 from .entries import most_rebuilt
-from .layout import NO_INDEX, Layout
+from .layout import FILL_MIN_RUN, NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache
@@ -33,7 +33,7 @@ from .requests import GenBatch, Request, RequestId, RequestTable, frozen
 from .spec import INT32_MAX, CacheSpec
 from .staging import snapshot_words
 from .step import DeviceStep, Step
-from .table import RANGE_MIN_CELLS, PageTable
+from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
@@ -621,8 +621,8 @@ class KVCacheManager:
                     # A long chunk's settle clears each long range as one (a decode step's rows release a block
                     # or two), unless the group reuses scratch: then most of such a range is scratch blocks that
                     # never held a slot, and cells cost less.
-                    if longest >= RANGE_MIN_CELLS and not g.scratch_reuse:
-                        whole = count >= RANGE_MIN_CELLS
+                    if longest >= FILL_MIN_RUN and not g.scratch_reuse:
+                        whole = count >= FILL_MIN_RUN
                         for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
                             self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)
                         part = ~whole

@@ -7,7 +7,7 @@ can tell whether the request it scheduled in a row is still the one there.
 One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
 free), or suspends or resumes it (set_suspended). Everything cached about rows compares it: the validated generation list, and settle's "every
 entry of the step is still live" shortcut. Another, `cap_writes`, is bumped by every write of a capacity
-(set_capacity, its one writer): the validated list's room (GenBatch.room) compares it.
+(set_capacity, its one writer): the validated list's room and longest entry (GenBatch) compare it.
 """
 from __future__ import annotations
 

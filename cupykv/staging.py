@@ -44,7 +44,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from .errors import StagingExhaustedError
-from .layout import BAD, NO_INDEX, QUAD_BLOCKS
+from .layout import BAD, FILL_MIN_RUN, NO_INDEX, QUAD_BLOCKS
 
 H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
 H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF = range(6, 12)
@@ -127,16 +127,16 @@ _NO_RUNS[1].flags.writeable = False
 _ONE_BAD = np.full(1, BAD, np.int32)
 _ONE_BAD.flags.writeable = False
 
-# A step with at most this many changed cells ships each cell as a run of its own (run_coff 0, 1, 2, ...):
-# finding the runs takes more numpy calls than the words they would save, and a decode step's cells (a
-# block opened or released per row) are seldom adjacent anyway.
+# A step without contexts and with at most this many changed cells ships each cell as a run of its own
+# (run_coff 0, 1, 2, ...): finding the runs takes more numpy calls than the words they would save, and a
+# decode step's cells (a block opened or released per row) are seldom adjacent. (A context chunk's cells
+# are: runs, and a cleared row is a range, a fill run, in every step.)
 EACH_CELL_MAX = 64
 _EACH_CELL = np.arange(EACH_CELL_MAX + 1, dtype=np.int64)     # read-only use: packed, never written
 _EACH_CELL.flags.writeable = False
 
-# A run of at least this many cells that are all BAD (a freed row, a released window) ships BAD once: a
-# fill run. (The layout and the kernels take a fill run of any value; only BAD is worth looking for.)
-FILL_MIN_RUN = 16
+# (layout.FILL_MIN_RUN: a run of at least that many cells that are all BAD ships BAD once, a fill run. The
+# layout and the kernels take a fill run of any value; only BAD is worth looking for.)
 
 
 def run_values(run_coff: np.ndarray, values: np.ndarray):
@@ -144,7 +144,7 @@ def run_values(run_coff: np.ndarray, values: np.ndarray):
     slots >= 0 or BAD): a run of at least FILL_MIN_RUN cells that are all BAD ships one BAD, as a fill run
     (run_value ~v), and every other run its values in order (run_value: where they start)."""
     n, num_runs = len(values), len(run_coff) - 1
-    if n - num_runs + 1 < FILL_MIN_RUN:          # no run is that long (decode steps: runs of a cell or two)
+    if n - num_runs + 1 < FILL_MIN_RUN:          # no run is that long
         return run_coff[:-1], values
     long = ((run_coff[1:] - run_coff[:-1]) >= FILL_MIN_RUN).nonzero()[0]
     # a run of BAD starts and ends on BAD (the runs of new slots a prefill writes do not), and as slots are
@@ -166,11 +166,12 @@ def run_values(run_coff: np.ndarray, values: np.ndarray):
     return run_value, np.concatenate(pieces)
 
 
-def snapshot_runs(cells: np.ndarray, values: np.ndarray):
+def snapshot_runs(cells: np.ndarray, values: np.ndarray, num_contexts: int):
     """(run_start, run_coff, run_value, shipped): the runs pack_snapshot ships changed cells (int64) with
-    values (int32) as. More than EACH_CELL_MAX cells: their runs of adjacent cells (runs_from_cells), a run
-    of FILL_MIN_RUN or more BAD cells as one BAD (run_values); fewer: each cell a run of its own."""
-    if len(cells) <= EACH_CELL_MAX:
+    values (int32) as, in a step of num_contexts context chunks. At most EACH_CELL_MAX cells and no context:
+    each cell a run of its own; else their runs of adjacent cells (runs_from_cells), a run of FILL_MIN_RUN
+    or more BAD cells as one BAD (run_values)."""
+    if len(cells) <= EACH_CELL_MAX and not num_contexts:
         run_coff = _EACH_CELL[:len(cells) + 1]
         return cells, run_coff, run_coff[:-1], values
     run_start, run_coff = runs_from_cells(cells)
@@ -198,7 +199,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch
     (None: none).
     """
-    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
+    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values, begs.shape[1])
     num_cells = len(cells)
     if cleared is not None:
         lo, hi = cleared[:, 0], cleared[:, 1]

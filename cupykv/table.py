@@ -13,12 +13,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .layout import BAD, NO_INDEX
-
-
-# A run of cleared cells at least this long is logged as a range (PageTable.take_blocks); a shorter one (a
-# window's few blocks) as cells.
-RANGE_MIN_CELLS = 64
+from .layout import BAD, FILL_MIN_RUN, NO_INDEX
 
 
 class PageTable:
@@ -51,14 +46,15 @@ class PageTable:
 
     def take_blocks(self, p: int, row: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
         """Clear blocks [lo, hi) of one row of group p (default: the whole row) in one pass; returns the
-        slots its held cells had, in block order (the caller's copy). Held cells that form one long run
-        (a row of a group that keeps every block, a long chunk's window) are cleared with a slice and logged
-        as a range (a range costs the snapshot a few numpy calls, a cell next to nothing)."""
+        slots its held cells had, in block order (the caller's copy). Held cells that form one run of at
+        least FILL_MIN_RUN (a row of a group that keeps every block, a long chunk's window) are cleared with
+        a slice and logged as a range, which ships as one fill run (a range costs the snapshot a few numpy
+        calls, a cell next to nothing)."""
         start = self.row_start(p, row) + lo
         seg = self.flat[start:start + ((self.max_blocks if hi is None else hi) - lo)]
         held = (seg != BAD).nonzero()[0]
         n = len(held)
-        if n >= RANGE_MIN_CELLS and held[-1] - held[0] == n - 1:
+        if n >= FILL_MIN_RUN and held[-1] - held[0] == n - 1:
             a = start + int(held[0])
             vals = self.flat[a:a + n].copy()
             self.flat[a:a + n] = BAD

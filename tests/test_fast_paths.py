@@ -146,13 +146,13 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 @pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
 def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
     """A settle whose rows release many window blocks at once (a long chunk's: at least the manager's
-    RANGE_MIN_CELLS) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
+    FILL_MIN_RUN) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
     as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
     range is mostly scratch blocks without a slot, and goes cell by cell. Checked against the oracle's model (the blocks
     that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
     reference; chunks are settled one step late, and each request's row is freed and taken by the next
     request in the same interval."""
-    from cupykv.table import RANGE_MIN_CELLS
+    from cupykv.layout import FILL_MIN_RUN
     from oracle import Modelled
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
@@ -172,7 +172,7 @@ def test_long_window_releases_by_range_match_model_and_reference(backend_name, m
         return take(cells)
 
     table.take_blocks, table.take = counted_take_blocks, counted_take
-    long_chunk = (RANGE_MIN_CELLS + 40) * TPB
+    long_chunk = (FILL_MIN_RUN + 40) * TPB
     pending, mixed, by_range = [], 0, 0
 
     def step(contexts, generation=()):
@@ -377,7 +377,7 @@ def _runs_from_cells_before(cells):
 
 
 def _random_cells(rng):
-    n = int(rng.choice([0, 1, 2, 3, 17, 300]))
+    n = int(rng.choice([0, 1, 2, 3, 17, 40, 300]))
     starts = rng.integers(0, 5000, n)
     lens = rng.integers(1, 6, n)
     cells = np.repeat(starts, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
@@ -385,7 +385,10 @@ def _random_cells(rng):
 
 
 def test_runs_and_packed_bytes_unchanged(monkeypatch):
+    """runs_from_cells gives what it gave before its in-place rewrite, and every snapshot that finds its runs
+    (more than EACH_CELL_MAX cells, or contexts) packs the same bytes with either."""
     rng = np.random.default_rng(0)
+    compared = 0
     for _ in range(400):
         cells = _random_cells(rng)
         got, want = staging.runs_from_cells(cells), _runs_from_cells_before(cells)
@@ -398,7 +401,7 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
                 rng.integers(-1, 999, len(cells)).astype(np.int32),
                 np.concatenate(([0], np.cumsum(rng.integers(1, 9, n)))), rng.integers(0, 999, n))
         kw = dict(mode=int(rng.integers(0, 2)), pad_to=int(rng.integers(0, 64)))
-        run_start, _, _, shipped = staging.snapshot_runs(cells, args[6])
+        run_start, _, _, shipped = staging.snapshot_runs(cells, args[6], C)
         words = staging.snapshot_words(n, C, P, M, len(run_start), len(shipped))
         new, old = np.full(words + 8, 7, np.int32), np.full(words + 8, 7, np.int32)
         assert staging.pack_snapshot(new, *args, **kw) == words
@@ -406,6 +409,8 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
             m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
             assert staging.pack_snapshot(old, *args, **kw) == words
         assert new.tobytes() == old.tobytes()
+        compared += len(cells) > staging.EACH_CELL_MAX or (C > 0 and len(cells) > 0)
+    assert compared > 150, compared
 
 
 def test_take_blocks_by_slices_matches_the_gathers():
@@ -414,12 +419,13 @@ def test_take_blocks_by_slices_matches_the_gathers():
     what gathering the row's held cells gives, for rows of one run, of several runs, of one cell and of
     none; a range is logged as cleared only while it holds BAD."""
     from cupykv.backends import make_backends
-    from cupykv.table import RANGE_MIN_CELLS, PageTable
+    from cupykv.layout import FILL_MIN_RUN
+    from cupykv.table import PageTable
     rng = np.random.default_rng(3)
     be = make_backends("host", None)[0]
     ranged = 0
     for trial in range(300):
-        P, rows, B = 2, 3, int(rng.integers(1, 3 * RANGE_MIN_CELLS))
+        P, rows, B = 2, 3, int(rng.integers(1, 12 * FILL_MIN_RUN))
         table = PageTable(be, P, rows, B)
         p, row = int(rng.integers(P)), int(rng.integers(rows))
         seg = np.full(B, BAD, np.int32)
@@ -451,7 +457,7 @@ def test_take_blocks_by_slices_matches_the_gathers():
         assert all(np.all(table.flat[lo:hi] == BAD) for lo, hi in cleared.tolist()), trial
         vals[:] = 5                                 # the slots are the caller's copy
         assert np.array_equal(table.array, after), trial
-        assert all(hi - lo >= RANGE_MIN_CELLS for lo, hi in cleared.tolist()), trial
+        assert all(hi - lo >= FILL_MIN_RUN for lo, hi in cleared.tolist()), trial
         ranged += len(cleared) > 0
         if len(cleared):                            # written again before the step: its cells, one by one
             lo, hi = cleared[0].tolist()

@@ -104,30 +104,36 @@ def test_ring_grows_then_raises_when_exhausted(backend_name):
 
 
 def test_few_cells_ship_each_as_a_run_and_round_trip():
-    """A step of at most EACH_CELL_MAX changed cells (a decode step's few) ships each cell as a run of its
-    own, adjacent ones and repeats included, BAD values among them; unpacked as the kernels read it, every
-    cell carries its value. One more cell, and adjacent cells merge into runs again."""
+    """A step without contexts and with at most EACH_CELL_MAX changed cells (a decode step's few) ships each
+    cell as a run of its own, adjacent ones and repeats included, BAD values among them, and its cleared
+    ranges as fill runs after them; unpacked as the kernels read it, every cell carries its value. One more
+    cell, or a context, and adjacent cells merge into runs again."""
     rng = np.random.default_rng(5)
     for n in (0, 1, 2, EACH_CELL_MAX - 1, EACH_CELL_MAX, EACH_CELL_MAX + 1):
-        cells = np.sort(rng.choice(np.arange(0, 3 * n + 1), n, replace=False)).astype(np.int64)
-        if n > 2:
-            cells[-1] = cells[0]            # a cell logged twice
-        values = rng.integers(-1, 99, n).astype(np.int32)
-        if n:
-            values[cells == cells[0]] = values[0]
-        run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
-        if n <= EACH_CELL_MAX:
-            assert len(run_start) == n and run_coff.tolist() == list(range(n + 1)) and shipped is values
-        else:
-            assert len(run_start) == len(runs_from_cells(cells)[0]) < n       # merged: some cells are adjacent
-        words = snapshot_words(2, 0, 1, 0, len(run_start), len(shipped))
-        buf = np.zeros(words + 3, np.int32)
-        none = np.zeros((1, 0), np.int32)
-        assert pack_snapshot(buf, 3, np.arange(2), none, none, none.reshape(1, 0, 0), cells, values,
-                             np.array([0, 1, 2]), np.array([5, 6])) == words
-        got = unpack_snapshot(buf, 1)
-        assert got["num_cells"] == n
-        assert cell_values(got) == (cells.tolist(), values.tolist())
+        for contexts in (0, 1):
+            cells = np.sort(rng.choice(np.arange(0, 3 * n + 1), n, replace=False)).astype(np.int64)
+            if n > 2:
+                cells[-1] = cells[0]            # a cell logged twice
+            values = rng.integers(-1, 99, n).astype(np.int32)
+            if n:
+                values[cells == cells[0]] = values[0]
+            run_start, run_coff, run_value, shipped = snapshot_runs(cells, values, contexts)
+            if n <= EACH_CELL_MAX and not contexts:
+                assert len(run_start) == n and run_coff.tolist() == list(range(n + 1)) and shipped is values
+            else:
+                assert len(run_start) == len(runs_from_cells(cells)[0])
+                assert len(run_start) < n or n < 3          # merged: some cells are adjacent
+            cleared = np.array([[5000, 5000 + FILL_MIN_RUN], [6000, 6100]], np.int64) if n % 2 else None
+            words = snapshot_words(2, contexts, 1, 0, len(run_start) + (0 if cleared is None else 2),
+                                   len(shipped) + (cleared is not None))
+            buf = np.zeros(words + 3, np.int32)
+            begs = np.zeros((1, contexts), np.int32)
+            assert pack_snapshot(buf, 3, np.arange(2), begs, begs, np.zeros((1, contexts, 0), np.int32), cells, values,
+                                 np.array([0, 1, 2]), np.array([5, 6]), cleared=cleared) == words
+            got = unpack_snapshot(buf, 1)
+            ranges = [] if cleared is None else [c for lo, hi in cleared.tolist() for c in range(lo, hi)]
+            assert got["num_cells"] == n + len(ranges)
+            assert cell_values(got) == (cells.tolist() + ranges, values.tolist() + [BAD] * len(ranges))
 
 
 def test_decode_ships_only_what_changed():
@@ -176,6 +182,30 @@ def test_freed_rows_ship_as_fill_runs(backend_name):
     # CUDA that fits a launch's parameters, which carry their whole block (a value per cell would not fit)
     limit = 4 * INLINE_SNAPSHOT_WORDS if backend_name == "cuda" else 4 * (6 * 2 * 4 + 64 + 64)
     assert mgr.h2d_bytes_last_step <= limit
+
+
+@pytest.mark.parametrize("blocks", [FILL_MIN_RUN - 1, FILL_MIN_RUN, 40])
+def test_a_short_freed_row_ships_as_a_fill_run(blocks):
+    """A freed request's row of at least FILL_MIN_RUN held blocks is logged as a range, so even a decode step
+    of a few cells (each cell a run of its own) ships it as one fill run; a shorter row goes cell by cell.
+    The words shipped are counted from what the step logged (host backend: the copy is the snapshot)."""
+    mgr = make(debug_verify_mirror=True)
+    tpb = mgr.spec.tokens_per_block
+    mgr.add("short", blocks * tpb)
+    mgr.add("d", 100)
+    s = mgr.prepare_batch({"short": blocks * tpb, "d": 100})
+    s.finish()
+    mgr.settle(s)
+    row = mgr.request("short").row
+    window_cells, full_cells = (int(np.count_nonzero(mgr.table[p, row] != cupykv.BAD)) for p in (0, 1))
+    assert full_cells == blocks and 0 < window_cells < FILL_MIN_RUN
+    mgr.free("short")
+    s = mgr.prepare_batch((), ["d"])           # opens no block: the freed row is all the step changes
+    s.finish()
+    mgr.settle(s)
+    runs = window_cells + (1 if blocks >= FILL_MIN_RUN else full_cells)
+    # (and one entry past the batch: the freed request's, held section of the entry map)
+    assert mgr.h2d_bytes_last_step == 4 * snapshot_words(1, 0, 2, 0, runs, runs, 0, 1)
 
 
 def test_verify_mirror_debug_option():
