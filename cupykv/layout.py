@@ -16,8 +16,8 @@ from .spec import INT32_MAX, CacheSpec
 
 BAD = -1
 # A run of at least this many BAD cells ships as one value, a fill run (staging.run_values); a run of held
-# cells cleared at once (a freed row, a long window release) is logged as a range, which ships as a fill
-# run whatever the step (table.PageTable.take_blocks).
+# cells cleared at once by slices (a freed row, a long window release: table.PageTable.take_blocks) is
+# logged as a range, which ships as a fill run whatever the step.
 FILL_MIN_RUN = 16
 # Blocks per 16-byte access of a table row (one int4: the kernels' loads and stores of table cells); every
 # row holds a multiple of this many blocks, so each such access is aligned.

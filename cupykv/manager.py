@@ -24,7 +24,7 @@ from .backends import make_backends
 from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
                      OutOfSlotsError, SpecTooLargeError, StepOrderError)
 from .entries import most_rebuilt
-from .layout import FILL_MIN_RUN, NO_INDEX, Layout
+from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
 from .prefix_cache import PrefixCache
@@ -36,6 +36,10 @@ from .step import DeviceStep, Step
 from .table import PageTable
 
 STAGING_MODES = ("snapshot", "unsafe")
+# A settle clears a row's window release by slices (PageTable.take_blocks: a Python call for each such row,
+# logged as a range) from this many blocks on; shorter ones go as the cells of all rows in one vectorised
+# pass (slicing releases of 16-63 blocks row by row doubled a SHARED chunk's settle: docs/host_profile.md).
+SLICE_MIN_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
@@ -621,8 +625,8 @@ class KVCacheManager:
                     # A long chunk's settle clears each long range as one (a decode step's rows release a block
                     # or two), unless the group reuses scratch: then most of such a range is scratch blocks that
                     # never held a slot, and cells cost less.
-                    if longest >= FILL_MIN_RUN and not g.scratch_reuse:
-                        whole = count >= FILL_MIN_RUN
+                    if longest >= SLICE_MIN_BLOCKS and not g.scratch_reuse:
+                        whole = count >= SLICE_MIN_BLOCKS
                         for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
                             self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)
                         part = ~whole

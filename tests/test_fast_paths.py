@@ -145,14 +145,14 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 
 @pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
 def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
-    """A settle whose rows release many window blocks at once (a long chunk's: at least the manager's
-    FILL_MIN_RUN) clears each such row's range as one (PageTable.take_blocks, logged as a range and shipped
-    as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
+    """A settle whose rows release many window blocks at once (a long chunk's: at least
+    manager.SLICE_MIN_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range
+    and shipped as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
     range is mostly scratch blocks without a slot, and goes cell by cell. Checked against the oracle's model (the blocks
     that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
     reference; chunks are settled one step late, and each request's row is freed and taken by the next
     request in the same interval."""
-    from cupykv.layout import FILL_MIN_RUN
+    from cupykv.manager import SLICE_MIN_BLOCKS
     from oracle import Modelled
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
@@ -172,7 +172,7 @@ def test_long_window_releases_by_range_match_model_and_reference(backend_name, m
         return take(cells)
 
     table.take_blocks, table.take = counted_take_blocks, counted_take
-    long_chunk = (FILL_MIN_RUN + 40) * TPB
+    long_chunk = (SLICE_MIN_BLOCKS + 40) * TPB
     pending, mixed, by_range = [], 0, 0
 
     def step(contexts, generation=()):
@@ -409,7 +409,9 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
             m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
             assert staging.pack_snapshot(old, *args, **kw) == words
         assert new.tobytes() == old.tobytes()
-        compared += len(cells) > staging.EACH_CELL_MAX or (C > 0 and len(cells) > 0)
+        if len(cells) > staging.EACH_CELL_MAX or (C > 0 and len(cells) > 0):     # a snapshot that finds runs
+            assert len(run_start) == len(want[0])
+            compared += 1
     assert compared > 150, compared
 
 
