@@ -129,20 +129,18 @@ _ONE_BAD.flags.writeable = False
 
 # A step without contexts and with at most this many changed cells ships each cell as a run of its own
 # (run_coff 0, 1, 2, ...): finding the runs takes more numpy calls than the words they would save, and a
-# decode step's cells (a block opened or released per row) are seldom adjacent. (A context chunk's cells
-# are: runs, and a cleared row is a range, a fill run, in every step.)
+# decode step's cells (a block opened or released per row) are seldom adjacent. A context chunk's new slots
+# are runs, so such a step finds them; a cleared row is a range, a fill run in every step.
 EACH_CELL_MAX = 64
 _EACH_CELL = np.arange(EACH_CELL_MAX + 1, dtype=np.int64)     # read-only use: packed, never written
 _EACH_CELL.flags.writeable = False
-
-# (layout.FILL_MIN_RUN: a run of at least that many cells that are all BAD ships BAD once, a fill run. The
-# layout and the kernels take a fill run of any value; only BAD is worth looking for.)
 
 
 def run_values(run_coff: np.ndarray, values: np.ndarray):
     """(run_value, the values to ship) for runs over `values` (one per changed cell; page-table values, so
     slots >= 0 or BAD): a run of at least FILL_MIN_RUN cells that are all BAD ships one BAD, as a fill run
-    (run_value ~v), and every other run its values in order (run_value: where they start)."""
+    (run_value ~v), and every other run its values in order (run_value: where they start). The layout and
+    the kernels take a fill run of any value; only BAD is worth looking for."""
     n, num_runs = len(values), len(run_coff) - 1
     if n - num_runs + 1 < FILL_MIN_RUN:          # no run is that long
         return run_coff[:-1], values
@@ -194,10 +192,9 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD, shipped as snapshot_runs gives them; cleared: None or int64
-    [n >= 1, 2], flat ranges [lo, hi) that hold BAD in every cell, each shipped as a fill run after the cells'
-    runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept past the batch
-    (None: none).
+    or BAD, shipped as snapshot_runs gives them; cleared: None or int64 [n >= 1, 2], flat ranges [lo, hi)
+    that hold BAD in every cell, each shipped as a fill run after the cells' runs; rebuilt: DELTA mode's
+    entries to write whole (None: none); held: the rows kept past the batch (None: none).
     """
     run_start, run_coff, run_value, shipped = snapshot_runs(cells, values, begs.shape[1])
     num_cells = len(cells)
