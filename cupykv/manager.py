@@ -104,6 +104,7 @@ class _Plan:
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
     gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
+    gen_phased: bool                   # a pure decode step took its openings from the list's phase order
     k: int
     scratch_width: int
     pad_to: int
@@ -402,21 +403,26 @@ class KVCacheManager:
         if total_tokens > spec.step_token_capacity:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
-        room = -1
+        room, phased = -1, None
         if in_room:
             new_rows = new_blocks = NO_INDEX
             room = gen.room - k
         else:
             # The blocks the generation tokens open: the same in every group (generation is never scratch).
             g = lay.groups[0]
-            lo, hi = g.new_blocks(cap, end)
-            opened = (hi > lo).nonzero()[0]
-            if not len(opened):         # most decode steps open no block: skip the gathers
-                new_rows = new_blocks = NO_INDEX
-            elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
-                new_rows, new_blocks = gen_rows[opened], lo[opened]
+            phased = gen.openings(k, cap, g) if known and not keeps_room else None
+            if phased is not None:      # k divides tpb: at most one block an entry, every tpb / k steps
+                opened, new_rows = phased
+                new_blocks = g.new_blocks(cap[opened], 0)[0] if len(opened) else NO_INDEX
             else:
-                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
+                lo, hi = g.new_blocks(cap, end)
+                opened = (hi > lo).nonzero()[0]
+                if not len(opened):         # most decode steps open no block: skip the gathers
+                    new_rows = new_blocks = NO_INDEX
+                elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
+                    new_rows, new_blocks = gen_rows[opened], lo[opened]
+                else:
+                    new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
             if keeps_room:
                 room = min(int(g.block_room(end).min()), spec.max_seq_len - longest)
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
@@ -443,7 +449,8 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
                                most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
-                     gen, cap, end, longest, new_rows, new_blocks, room, k, M, pad_to, self.pipeline.acquire(words))
+                     gen, cap, end, longest, new_rows, new_blocks, room, phased is not None, k, M, pad_to,
+                     self.pipeline.acquire(words))
 
     def _commit(self, plan: _Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
@@ -457,7 +464,7 @@ class KVCacheManager:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
             reqs.set_capacity(rows, plan.gen_end)          # = starts + tokens, already computed by the plan
-            gen.keep(plan.gen_room, plan.gen_longest, reqs.cap_writes)
+            gen.keep(plan.gen_room, plan.gen_longest, reqs.cap_writes, plan.gen_phased)
         else:
             gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))

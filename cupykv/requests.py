@@ -7,13 +7,14 @@ can tell whether the request it scheduled in a row is still the one there.
 One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
 free), or suspends or resumes it (set_suspended). Everything cached about rows compares it: the validated generation list, and settle's "every
 entry of the step is still live" shortcut. Another, `cap_writes`, is bumped by every write of a capacity
-(set_capacity, its one writer): the validated list's room and longest entry (GenBatch) compare it.
+(set_capacity, its one writer): the validated list's room, longest entry and phase order (GenBatch)
+compare it.
 """
 from __future__ import annotations
 
 import heapq
 from operator import itemgetter
-from typing import TYPE_CHECKING, Dict, Hashable, List, Optional
+from typing import TYPE_CHECKING, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
@@ -88,9 +89,16 @@ class GenBatch:
     them opens a block or passes max_seq_len; a decode step of this list that fits in it skips those
     checks; -1 when not worked out). The list's own decode steps keep both (keep); any other capacity write
     (a rewind, a step of another list) leaves them stale until a step works them out again.
+
+    A list that decodes k tokens a step, k dividing tokens_per_block, opens a block in each entry every
+    tokens_per_block / k steps, always at the same phase of that period (`openings`): as of the same
+    capacity write, the list keeps its entries ordered by phase, and a step finds the entries that open a
+    block by slicing them out instead of comparing every entry's blocks. Kept and made stale like `room`;
+    built from the list's second step that could build it on (building costs a few steps' savings).
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at")
+    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
+                 "_phase_k", "_phase", "_waited", "_by_phase", "_rows_by_phase", "_phase_bounds")
 
     def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
         self.ids = ids
@@ -100,6 +108,10 @@ class GenBatch:
         self.moves = moves
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
         self.room, self.longest, self.at = -1, 0, -1
+        self._phase_k = self._phase = 0                      # 0: no phase order (see openings)
+        self._waited = False                                 # a step could have built the order, and did not
+        self._by_phase = self._rows_by_phase = rows[:0]      # list positions and rows, by phase
+        self._phase_bounds: List[int] = []
 
     def matches(self, ids: List[RequestId], moves: int) -> bool:
         """Equal ids hash equal (Python's rule for dict keys), so with no move since, an equal list maps
@@ -120,10 +132,39 @@ class GenBatch:
         """Whether k more tokens for every entry open no block and pass no max_seq_len (see room)."""
         return self.at == cap_writes and k <= self.room
 
-    def keep(self, room: int, longest: int, cap_writes: int) -> None:
+    def keep(self, room: int, longest: int, cap_writes: int, phased: bool) -> None:
         """After a decode step of this list (the capacity write cap_writes): its room (-1: not worked out)
-        and its longest entry."""
+        and its longest entry; phased: whether the step took its openings from the phase order (which
+        then moves to the next phase; otherwise it is dropped)."""
         self.room, self.longest, self.at = room, longest, cap_writes
+        if phased:
+            self._phase = (self._phase + 1) % (len(self._phase_bounds) - 1)
+        else:
+            self._phase_k = 0
+
+    def openings(self, k: int, cap: np.ndarray, group) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """For a decode step of k tokens when knows() holds (cap: int64 [entries], the capacities the list's
+        own last step left; group: a LayerGroup, whose block rules every group shares for generation
+        tokens): the list positions and rows (int64 [opened], in list order) of the entries whose tokens
+        open a block; None when k does not divide tokens_per_block.
+
+        An entry's tokens open a block when what its last block has left (group.block_room) is below k.
+        That drops by k a step, so with k dividing tokens_per_block it is below k once every
+        tokens_per_block / k steps, first after block_room // k steps: the entry's phase."""
+        tpb = group.tokens_per_block
+        if tpb % k:
+            return None
+        if self._phase_k != k:
+            if not self._waited:        # a list that changes after its first such step never pays for the order
+                self._waited = True
+                return None
+            phase = group.block_room(cap) // k
+            order = np.argsort(phase, kind="stable")         # stable: list order within a phase
+            self._by_phase, self._rows_by_phase = order, self.rows[order]
+            self._phase_bounds = np.searchsorted(phase[order], np.arange(tpb // k + 1)).tolist()
+            self._phase_k, self._phase = k, 0
+        lo, hi = self._phase_bounds[self._phase], self._phase_bounds[self._phase + 1]
+        return self._by_phase[lo:hi], self._rows_by_phase[lo:hi]
 
     def tokens_for(self, k: int) -> np.ndarray:
         if k != self.k:

@@ -2,7 +2,8 @@
 reference, the general paths, and the previous snapshot packing.
 
 - Decode steps reuse the last validated generation list (no lookup, duplicate or readiness checks) and
-  allocate only for the requests whose new tokens open a block.
+  allocate only for the requests whose new tokens open a block, which a list decoding step after step
+  takes from its phase order.
 - settle releases only the SWA blocks whose window edge crossed a block boundary, and takes a path
   without rewind checks when every entry is live and every token accepted.
 - runs_from_cells was rewritten for speed; the packed bytes must not change.
@@ -258,6 +259,103 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
         assert sum(in_room) > 25 and in_room.count(False) > 20, in_room.count(True)
     else:
         assert not any(in_room)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeypatch):
+    """A decode list of k tokens a step (k dividing tokens_per_block, batch * k >= tokens_per_block: no
+    room kept) takes the entries that open a block from its phase order (GenBatch.openings) while its own
+    steps made the last capacity writes. Checked against the model (the blocks each request holds), each
+    step's tables against the reference, and a twin manager that works every step out from the capacities
+    (no validated-list cache): the same state after every settle. Steps overlap (settled one late); a
+    rewind, a step of another list, a context step and frees with adds make the order stale, and it is
+    built again."""
+    fast, slow = make_mgr(slots=1000, max_batch=12), make_mgr(slots=1000, max_batch=12)
+    orig_batch = slow.requests.generation_batch
+
+    def uncached(gen_ids, ctx_rows):
+        slow.requests._gen = None
+        return orig_batch(gen_ids, ctx_rows)
+
+    monkeypatch.setattr(slow.requests, "generation_batch", uncached)
+    found, built = [], []
+    openings = cupykv.requests.GenBatch.openings
+
+    def counted(self, k_, cap_, group):
+        built.append(self._phase_k != k_ and self._waited)
+        found.append(openings(self, k_, cap_, group))
+        return found[-1]
+
+    monkeypatch.setattr(cupykv.requests.GenBatch, "openings", counted)
+    model, cap = Model(fast), Capture(fast)
+    rng = np.random.default_rng(k)
+    n, pending = 0, []
+
+    def add(rid, prompt):
+        model.add(rid, prompt)
+        slow.add(rid, prompt)
+
+    def prepare(contexts, gen):
+        s_fast = fast.prepare_batch(contexts, gen, num_gen_tokens=k)
+        s_slow = slow.prepare_batch(contexts, gen, num_gen_tokens=k)
+        model.scheduled(s_fast)
+        cap.consume(s_fast)
+        s_slow.finish()
+        return s_fast, s_slow
+
+    def settle(pair, acc=None):
+        fast.settle(pair[0], acc)
+        slow.settle(pair[1], acc)
+        model.settled(pair[0], acc)
+        model.check()
+        assert fast.state() == slow.state()
+
+    def fresh(count):
+        nonlocal n
+        pairs = {f"r{n + i}": int(rng.integers(1, 90)) for i in range(count)}
+        n += count
+        for rid, p in pairs.items():
+            add(rid, p)
+        settle(prepare(pairs, []))
+        return list(pairs)
+
+    def free_longest():
+        while pending:
+            settle(pending.pop(0))
+        rid = max(ids, key=lambda r: model.req[r][1])
+        model.free(rid)
+        slow.free(rid)
+        ids.remove(rid)
+
+    ids = fresh(9)
+    for it in range(160):
+        kind = it % 20
+        if max(model.req[r][1] for r in ids) + 2 * k > fast.spec.max_seq_len:
+            free_longest()
+            ids += fresh(1)
+        if kind == 17:                       # a free: the list is validated again
+            free_longest()
+        contexts = {}
+        if kind == 7:                        # a context step beside the list: another step's capacity write
+            rid, n = f"r{n}", n + 1
+            add(rid, 2 * TPB)
+            contexts = {rid: 2 * TPB}
+        gen = ids[1:] if kind == 13 else ids         # another list for a step
+        pending.append(prepare(contexts, gen))
+        ids += list(contexts)
+        if kind == 3:                        # a rewind of the latest step: a capacity write outside the list's steps
+            while len(pending) > 1:
+                settle(pending.pop(0))
+            settle(pending.pop(0), {r: int(rng.integers(k - min(k, 3), k + 1)) for r in gen})
+        elif len(pending) == 2:
+            settle(pending.pop(0))
+    while pending:
+        settle(pending.pop(0))
+    fast.synchronize()
+    assert cap.mismatches() == []
+    used = [f for f in found if f is not None]
+    assert len(used) > 50 and sum(built) >= 10 and sum(len(f[0]) > 0 for f in used) > 30, \
+        (len(used), sum(built), sum(len(f[0]) > 0 for f in used))
 
 
 def _twin_managers(monkeypatch):
