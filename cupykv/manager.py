@@ -478,7 +478,7 @@ class KVCacheManager:
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
                     owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
-        cells, cleared = table.logged()
+        cells, cleared, written = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
         # and after the copy back of any resumed KV.
         after = self.cache.spill_events() if self.cache is not None else []   # evicted blocks copied out first
@@ -487,7 +487,7 @@ class KVCacheManager:
             after += [reqs.loading[r] for r in loading]
         # A launch that fails keeps the log (the next step ships it) and forces the next step FULL.
         self.pipeline.launch(step, plan.ring_slot, cells, table.flat[cells] if len(cells) else _NO_SLOTS, cleared,
-                             after)
+                             written, after)
         table.clear_log()
         for r in loading:          # waited for by this step, so by every later one (stream order)
             del reqs.loading[r]
@@ -511,13 +511,7 @@ class KVCacheManager:
         scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
         held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
         for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
-            if chunks.lens:
-                # each run's cells count up from its start, its slots from its offset: the cells of the
-                # ranges [start, start + len), each tagged with its run's start - offset
-                starts = np.array(chunks.starts, np.int64)
-                shift, cells = _expand_ranges(starts - np.array(chunks.offs, np.int64), starts,
-                                              starts + np.array(chunks.lens, np.int64))
-                table.write(cells, slots[cells - shift])
+            table.write_runs(chunks.starts, chunks.lens, slots, chunks.offs)
             for c, s_lo, s_hi, o, n in chunks.scratch:
                 if c not in held:
                     held[c] = [_NO_SLOTS] * lay.num_groups

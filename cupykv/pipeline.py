@@ -136,11 +136,12 @@ class StepPipeline:
         return self.ring.acquire(words)
 
     def launch(self, step: Step, slot, cells: np.ndarray, values: np.ndarray, cleared: Optional[np.ndarray],
-               after) -> None:
+               written, after) -> None:
         """Enqueue the step's device work on every device's manager stream, each after the previous step's
         finish on that device and the events `after` (copies of resumed KV); sets step.mode, step.parts
         and their ready events. The table deltas: cells (int64) and values (int32), and the ranges cleared
-        to BAD, cleared (None or int64 [n, 2], [lo, hi); PageTable.logged)."""
+        to BAD, cleared (None or int64 [n, 2], [lo, hi)), and the ranges written whole with their values,
+        written (None or a pair of arrays; PageTable.logged)."""
         step.parts = [DevicePart(m.rank, m.backend, m.outputs) for m in self.mirrors]
         prev = self._prev.parts if self._prev is not None else ()
         for part in prev:
@@ -149,7 +150,7 @@ class StepPipeline:
             for event in after:
                 m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
-        self._enqueue(step, slot, cells, values, cleared, self._cu_tokens(step.num_tokens), allow_delta)
+        self._enqueue(step, slot, cells, values, cleared, written, self._cu_tokens(step.num_tokens), allow_delta)
         self.force_full = False
         self._prev = step
         for m in self.mirrors:
@@ -165,14 +166,14 @@ class StepPipeline:
             self._cu_of, self._cu = num_tokens, cu
         return self._cu
 
-    def _enqueue(self, step: Step, slot, cells, values, cleared, cu_tokens, allow_delta: bool) -> None:
+    def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
         rebuilt, held = self._entries(step, allow_delta)
         step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
         words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                               step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
-                              pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared)
+                              pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared, written=written)
         # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
-        num_cells = len(cells) if cleared is None else int(slot.host[H_NUM_CELLS])
+        num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
         # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
         # bucket cover one at least), or the rebuilt ones
         entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
@@ -250,7 +251,7 @@ class UnsafeStaging(StepPipeline):
     def acquire(self, words: int):
         return None
 
-    def _enqueue(self, step: Step, slot, cells, values, cleared, cu_tokens, allow_delta: bool) -> None:
+    def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
         # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
         # pinned allocation of that size class) gets the block the previous one dropped.
         words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,

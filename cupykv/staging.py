@@ -127,10 +127,10 @@ _NO_RUNS[1].flags.writeable = False
 _ONE_BAD = np.full(1, BAD, np.int32)
 _ONE_BAD.flags.writeable = False
 
-# A step without contexts and with at most this many changed cells ships each cell as a run of its own
-# (run_coff 0, 1, 2, ...): finding the runs takes more numpy calls than the words they would save, and a
-# decode step's cells (a block opened or released per row) are seldom adjacent. A context chunk's new slots
-# are runs, so such a step finds them; a cleared row is a range, a fill run in every step.
+# A step with at most this many changed cells ships each cell as a run of its own (run_coff 0, 1, 2, ...):
+# finding the runs takes more numpy calls than the words they would save, and a step's cells (a block opened
+# or released per row) are seldom adjacent. What comes in runs is logged as ranges: a context chunk's new
+# slots (written ranges), a cleared row (a fill run).
 EACH_CELL_MAX = 64
 _EACH_CELL = np.arange(EACH_CELL_MAX + 1, dtype=np.int64)     # read-only use: packed, never written
 _EACH_CELL.flags.writeable = False
@@ -164,12 +164,11 @@ def run_values(run_coff: np.ndarray, values: np.ndarray):
     return run_value, np.concatenate(pieces)
 
 
-def snapshot_runs(cells: np.ndarray, values: np.ndarray, num_contexts: int):
+def snapshot_runs(cells: np.ndarray, values: np.ndarray):
     """(run_start, run_coff, run_value, shipped): the runs pack_snapshot ships changed cells (int64) with
-    values (int32) as, in a step of num_contexts context chunks. At most EACH_CELL_MAX cells and no context:
-    each cell a run of its own; else their runs of adjacent cells (runs_from_cells), a run of FILL_MIN_RUN
-    or more BAD cells as one BAD (run_values)."""
-    if len(cells) <= EACH_CELL_MAX and not num_contexts:
+    values (int32) as. At most EACH_CELL_MAX cells: each cell a run of its own; else their runs of adjacent
+    cells (runs_from_cells), a run of FILL_MIN_RUN or more BAD cells as one BAD (run_values)."""
+    if len(cells) <= EACH_CELL_MAX:
         run_coff = _EACH_CELL[:len(cells) + 1]
         return cells, run_coff, run_coff[:-1], values
     run_start, run_coff = runs_from_cells(cells)
@@ -187,17 +186,28 @@ def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_wi
 
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
                   cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, rebuilt=None,
-                  held=None, cleared=None) -> int:
+                  held=None, cleared=None, written=None) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
     or BAD, shipped as snapshot_runs gives them; cleared: None or int64 [n >= 1, 2], flat ranges [lo, hi)
-    that hold BAD in every cell, each shipped as a fill run after the cells' runs; rebuilt: DELTA mode's
-    entries to write whole (None: none); held: the rows kept past the batch (None: none).
+    that hold BAD in every cell, each shipped as a fill run after the cells' runs; written: None or (int64
+    [n >= 1, 2] flat ranges [lo, hi), int32 their cells' values range after range), each range shipped as a
+    run after the cells' runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows
+    kept past the batch (None: none).
     """
-    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values, begs.shape[1])
+    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
     num_cells = len(cells)
+    if written is not None:
+        ranges, written_values = written
+        lo, length = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
+        past = length.cumsum()
+        run_start = np.concatenate((run_start, lo))
+        run_coff = np.concatenate((run_coff, run_coff[-1] + past))
+        run_value = np.concatenate((run_value, len(shipped) + past - length))    # where each range's values start
+        shipped = np.concatenate((shipped, written_values))
+        num_cells = int(run_coff[-1])
     if cleared is not None:
         lo, hi = cleared[:, 0], cleared[:, 1]
         run_start = np.concatenate((run_start, lo))

@@ -5,11 +5,12 @@ Cells are addressed by flat index into the table; every write is logged, and the
 ships the logged cells with their current values (the device mirror applies them in stream order). A long
 run of cells cleared at once (a freed or suspended request's row, a long chunk's window release) is logged
 as one range, not cell by cell: a 128k-token request's row is thousands of cells, and the snapshot ships
-such a range as one fill run anyway.
+such a range as one fill run anyway. So is a run written at once (a context chunk's new blocks), which the
+snapshot ships as one run with its values.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class PageTable:
         self._base = [int(b) for b in self.group_base[:, 0]]     # the same, as Python ints
         self._log: List[np.ndarray] = []
         self._cleared: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written BAD, logged as ranges
+        self._written: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written whole (write_runs)
 
     def cells(self, p: int, rows, blocks) -> np.ndarray:
         """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
@@ -70,6 +72,16 @@ class PageTable:
         self.flat[cells] = values
         self._log.append(cells)
 
+    def write_runs(self, starts: Sequence[int], lens: Sequence[int], values: np.ndarray, offs: Sequence[int]) -> None:
+        """Write runs of cells by slices, each logged as a range: flat[starts[i]:starts[i] + lens[i]] =
+        values[offs[i]:offs[i] + lens[i]] (a context chunk's new blocks are a run of a row's cells, and their
+        slots a run of the group's allocation: a few slices cost less than the cells one by one, and the
+        snapshot ships each range as a run without looking for it)."""
+        flat, written = self.flat, self._written
+        for start, n, off in zip(starts, lens, offs):
+            flat[start:start + n] = values[off:off + n]
+            written.append((start, start + n))
+
     def take(self, cells: np.ndarray):
         """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch
         blocks never got a slot of their own) are skipped."""
@@ -82,44 +94,54 @@ class PageTable:
         return cells, vals
 
     # -- the dirty log ---------------------------------------------------------------------------
-    def logged(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-        """What the next snapshot ships: (cells, cleared). cells: int64, the cells written since the last
-        clear_log, in the order logged, with repeats (every copy of a cell carries the table's current value,
-        and runs only need adjacent cells: sorting cost more than it saved). cleared: None, or int64 [n, 2], the
-        ranges [lo, hi) cleared whole that still hold BAD in every cell; a range written again since (a row
-        freed, then given to a new request in the same interval) is in cells instead, cell by cell."""
+    def logged(self) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[Tuple[np.ndarray, np.ndarray]]]:
+        """What the next snapshot ships: (cells, cleared, written). cells: int64, the cells written since the
+        last clear_log, in the order logged, with repeats (every copy of a cell carries the table's current
+        value, and runs only need adjacent cells: sorting cost more than it saved). cleared: None, or int64
+        [n, 2], the ranges [lo, hi) cleared whole that still hold BAD in every cell. written: None, or (int64
+        [n, 2] ranges [lo, hi), int32 [sum of their lengths] their cells' current values, range after
+        range): the ranges written by write_runs, and the cleared ranges written again since (a row freed,
+        then given to a new request in the same interval)."""
         cleared = self._still_cleared() if self._cleared else None
+        written = None
+        if self._written:
+            flat = self.flat
+            written = (np.array(self._written, np.int64),
+                       np.concatenate([flat[lo:hi] for lo, hi in self._written]))
         log = self._log
         if not log:
-            return NO_INDEX, cleared
+            return NO_INDEX, cleared, written
         if len(log) > 1:
             log[:] = [np.concatenate(log)]
-        return log[0], cleared
+        return log[0], cleared, written
 
     def _still_cleared(self) -> Optional[np.ndarray]:
-        """logged()'s cleared ranges; the cells of those written again go into the log."""
+        """logged()'s cleared ranges; those written again since ship their values as written ranges."""
         still = []
         for lo, hi in self._cleared:
             if self.flat[lo:hi].max() == BAD:       # (slots are >= 0)
                 still.append((lo, hi))
             else:
-                self._log.append(np.arange(lo, hi, dtype=np.int64))
+                self._written.append((lo, hi))
         self._cleared[:] = still
         return np.array(still, np.int64).reshape(-1, 2) if still else None
 
     def logged_cells(self) -> np.ndarray:
         """Every cell logged since the last clear_log, the cleared ranges' cells included (in no set order)."""
-        ranges = [np.arange(lo, hi, dtype=np.int64) for lo, hi in self._cleared]
+        ranges = [np.arange(lo, hi, dtype=np.int64) for lo, hi in self._cleared + self._written]
         return np.concatenate(self._log + ranges) if self._log or ranges else NO_INDEX
 
     def num_logged(self) -> int:
         """An upper bound of the cells the next snapshot ships (a cleared range counts its every cell)."""
         n = sum(map(len, self._log)) if self._log else 0
+        if self._written:
+            n += sum(hi - lo for lo, hi in self._written)
         return n + sum(hi - lo for lo, hi in self._cleared) if self._cleared else n
 
     def clear_log(self) -> None:
         self._log.clear()
         self._cleared.clear()
+        self._written.clear()
 
     def state(self) -> tuple:
         return self.array.tobytes(), np.sort(self.logged_cells()).tobytes()

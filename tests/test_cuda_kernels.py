@@ -154,7 +154,7 @@ def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebu
     DELTA step's entries written whole; held: the rows kept past the batch)."""
     cells = case.cells if deltas else np.empty(0, np.int64)
     values = case.new.reshape(-1)[cells]
-    run_start, _, _, shipped = snapshot_runs(cells, values, case.num_contexts)
+    run_start, _, _, shipped = snapshot_runs(cells, values)
     rebuilt, held = np.asarray(rebuilt, np.int64), np.asarray(held, np.int64)
     words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
                            len(shipped), len(rebuilt), len(held))

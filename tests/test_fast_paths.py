@@ -484,7 +484,7 @@ def _random_cells(rng):
 
 def test_runs_and_packed_bytes_unchanged(monkeypatch):
     """runs_from_cells gives what it gave before its in-place rewrite, and every snapshot that finds its runs
-    (more than EACH_CELL_MAX cells, or contexts) packs the same bytes with either."""
+    (more than EACH_CELL_MAX cells) packs the same bytes with either."""
     rng = np.random.default_rng(0)
     compared = 0
     for _ in range(400):
@@ -499,7 +499,7 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
                 rng.integers(-1, 999, len(cells)).astype(np.int32),
                 np.concatenate(([0], np.cumsum(rng.integers(1, 9, n)))), rng.integers(0, 999, n))
         kw = dict(mode=int(rng.integers(0, 2)), pad_to=int(rng.integers(0, 64)))
-        run_start, _, _, shipped = staging.snapshot_runs(cells, args[6], C)
+        run_start, _, _, shipped = staging.snapshot_runs(cells, args[6])
         words = staging.snapshot_words(n, C, P, M, len(run_start), len(shipped))
         new, old = np.full(words + 8, 7, np.int32), np.full(words + 8, 7, np.int32)
         assert staging.pack_snapshot(new, *args, **kw) == words
@@ -507,10 +507,10 @@ def test_runs_and_packed_bytes_unchanged(monkeypatch):
             m.setattr(staging, "runs_from_cells", _runs_from_cells_before)
             assert staging.pack_snapshot(old, *args, **kw) == words
         assert new.tobytes() == old.tobytes()
-        if len(cells) > staging.EACH_CELL_MAX or (C > 0 and len(cells) > 0):     # a snapshot that finds runs
+        if len(cells) > staging.EACH_CELL_MAX:          # a snapshot that finds runs
             assert len(run_start) == len(want[0])
             compared += 1
-    assert compared > 150, compared
+    assert compared > 90, compared
 
 
 def test_take_blocks_by_slices_matches_the_gathers():
@@ -550,7 +550,7 @@ def test_take_blocks_by_slices_matches_the_gathers():
         assert np.array_equal(table.array, after), trial
         assert np.array_equal(np.sort(table.logged_cells()), want_cells), trial
         assert table.num_logged() == len(want_cells), trial
-        cells, cleared = table.logged()
+        cells, cleared, _ = table.logged()
         cleared = np.zeros((0, 2), np.int64) if cleared is None else cleared
         shipped = np.concatenate([cells] + [np.arange(lo, hi) for lo, hi in cleared.tolist()])
         assert np.array_equal(np.sort(shipped), want_cells), trial
@@ -559,11 +559,12 @@ def test_take_blocks_by_slices_matches_the_gathers():
         assert np.array_equal(table.array, after), trial
         assert all(hi - lo >= FILL_MIN_RUN for lo, hi in cleared.tolist()), trial
         ranged += len(cleared) > 0
-        if len(cleared):                            # written again before the step: its cells, one by one
+        if len(cleared):                    # written again before the step: a written range, its current values
             lo, hi = cleared[0].tolist()
             table.write(np.array([hi - 1], np.int64), 9)
-            cells, cleared = table.logged()
-            assert cleared is None and set(range(lo, hi)) <= set(cells.tolist()), trial
+            cells, cleared, written = table.logged()
+            assert cleared is None and written[0].tolist() == [[lo, hi]], trial
+            assert written[1].tolist() == [BAD] * (hi - lo - 1) + [9] and cells.tolist() == [hi - 1], trial
             assert table.flat[hi - 1] == 9
     assert ranged > 20, ranged
 
@@ -674,7 +675,7 @@ def test_a_step_that_ships_only_ranges(backend_name):
     cap.consume(s)
     mgr.settle(s)
     mgr.free("long")                       # 100 blocks: one range
-    cells, cleared = mgr.page_table.logged()
+    cells, cleared, _ = mgr.page_table.logged()
     assert len(cells) == 0 and cleared is not None and len(cleared) == 1
     s = mgr.prepare_batch((), ["d"])       # token TPB + 1 opens no block
     cap.consume(s)

@@ -104,10 +104,11 @@ def test_ring_grows_then_raises_when_exhausted(backend_name):
 
 
 def test_few_cells_ship_each_as_a_run_and_round_trip():
-    """A step without contexts and with at most EACH_CELL_MAX changed cells (a decode step's few) ships each
-    cell as a run of its own, adjacent ones and repeats included, BAD values among them, and its cleared
-    ranges as fill runs after them; unpacked as the kernels read it, every cell carries its value. One more
-    cell, or a context, and adjacent cells merge into runs again."""
+    """A step with at most EACH_CELL_MAX changed cells (a decode step's few, or a context step's, whose
+    chunks' slots come as written ranges) ships each cell as a run of its own, adjacent ones and repeats
+    included, BAD values among them, and its cleared ranges as fill runs after them; unpacked as the
+    kernels read it, every cell carries its value, and written ranges (a context chunk's new slots) ship as a
+    run each, with their values. One more cell and adjacent cells merge into runs again."""
     rng = np.random.default_rng(5)
     for n in (0, 1, 2, EACH_CELL_MAX - 1, EACH_CELL_MAX, EACH_CELL_MAX + 1):
         for contexts in (0, 1):
@@ -117,23 +118,35 @@ def test_few_cells_ship_each_as_a_run_and_round_trip():
             values = rng.integers(-1, 99, n).astype(np.int32)
             if n:
                 values[cells == cells[0]] = values[0]
-            run_start, run_coff, run_value, shipped = snapshot_runs(cells, values, contexts)
-            if n <= EACH_CELL_MAX and not contexts:
+            run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
+            if n <= EACH_CELL_MAX:
                 assert len(run_start) == n and run_coff.tolist() == list(range(n + 1)) and shipped is values
             else:
                 assert len(run_start) == len(runs_from_cells(cells)[0])
                 assert len(run_start) < n or n < 3          # merged: some cells are adjacent
             cleared = np.array([[5000, 5000 + FILL_MIN_RUN], [6000, 6100]], np.int64) if n % 2 else None
-            words = snapshot_words(2, contexts, 1, 0, len(run_start) + (0 if cleared is None else 2),
-                                   len(shipped) + (cleared is not None))
+            written = None
+            if contexts:            # a chunk's new slots as written ranges (one of them a single cell)
+                ranges = np.array([[7000, 7013], [8000, 8001], [8001, 8040]], np.int64)
+                written = (ranges, rng.integers(-1, 99, 53).astype(np.int32))
+            words = snapshot_words(2, contexts, 1, 0, len(run_start) + (0 if cleared is None else 2)
+                                   + (0 if written is None else 3),
+                                   len(shipped) + (cleared is not None) + (0 if written is None else 53))
             buf = np.zeros(words + 3, np.int32)
             begs = np.zeros((1, contexts), np.int32)
             assert pack_snapshot(buf, 3, np.arange(2), begs, begs, np.zeros((1, contexts, 0), np.int32), cells, values,
-                                 np.array([0, 1, 2]), np.array([5, 6]), cleared=cleared) == words
+                                 np.array([0, 1, 2]), np.array([5, 6]), cleared=cleared, written=written) == words
             got = unpack_snapshot(buf, 1)
-            ranges = [] if cleared is None else [c for lo, hi in cleared.tolist() for c in range(lo, hi)]
-            assert got["num_cells"] == n + len(ranges)
-            assert cell_values(got) == (cells.tolist() + ranges, values.tolist() + [BAD] * len(ranges))
+            want_cells, want_values = cells.tolist(), values.tolist()
+            if written is not None:
+                want_cells += [c for lo, hi in written[0].tolist() for c in range(lo, hi)]
+                want_values += written[1].tolist()
+            if cleared is not None:
+                bad = [c for lo, hi in cleared.tolist() for c in range(lo, hi)]
+                want_cells, want_values = want_cells + bad, want_values + [BAD] * len(bad)
+            assert got["num_cells"] == len(want_cells)
+            assert cell_values(got) == (want_cells, want_values)
+            assert got["begs"].shape == (1, contexts) and got["cu_tokens"].tolist() == [0, 1, 2]
 
 
 def test_decode_ships_only_what_changed():
