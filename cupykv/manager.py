@@ -104,7 +104,8 @@ class _Plan:
     new_rows: np.ndarray               # (row, block) pairs the generation tokens open
     new_blocks: np.ndarray
     gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
-    gen_phased: bool                   # a pure decode step took its openings from the list's phase order
+    gen_known: bool                    # a pure decode step knew the list's capacities (GenBatch.knows)
+    gen_phased: bool                   # and took its openings from the list's phase order
     k: int
     scratch_width: int
     pad_to: int
@@ -449,7 +450,7 @@ class KVCacheManager:
         words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
                                most_rebuilt(live), spec.max_batch - live)
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
-                     gen, cap, end, longest, new_rows, new_blocks, room, phased is not None, k, M, pad_to,
+                     gen, cap, end, longest, new_rows, new_blocks, room, known, phased is not None, k, M, pad_to,
                      self.pipeline.acquire(words))
 
     def _commit(self, plan: _Plan) -> Step:
@@ -464,7 +465,7 @@ class KVCacheManager:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
             reqs.set_capacity(rows, plan.gen_end)          # = starts + tokens, already computed by the plan
-            gen.keep(plan.gen_room, plan.gen_longest, reqs.cap_writes, plan.gen_phased)
+            gen.keep(plan.gen_room, plan.gen_longest, reqs.cap_writes, plan.gen_known, plan.gen_phased)
         else:
             gen_rows = gen.rows if gen is not None else NO_INDEX
             rows = np.concatenate((np.array(plan.ctx_rows, np.int64), gen_rows))

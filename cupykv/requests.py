@@ -94,11 +94,11 @@ class GenBatch:
     tokens_per_block / k steps, always at the same phase of that period (`openings`): as of the same
     capacity write, the list keeps its entries ordered by phase, and a step finds the entries that open a
     block by slicing them out instead of comparing every entry's blocks. Kept and made stale like `room`;
-    built from the list's second step that could build it on (building costs a few steps' savings).
+    built only on the second of two such steps in a row (building costs a few steps' savings).
     """
 
     __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
-                 "_phase_k", "_phase", "_waited", "_by_phase", "_rows_by_phase", "_phase_bounds")
+                 "_phase_k", "_phase", "_steady", "_by_phase", "_rows_by_phase", "_phase_bounds")
 
     def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
         self.ids = ids
@@ -109,7 +109,7 @@ class GenBatch:
         self.k, self.tokens = 0, rows[:0]                    # num_tokens of the last k asked for
         self.room, self.longest, self.at = -1, 0, -1
         self._phase_k = self._phase = 0                      # 0: no phase order (see openings)
-        self._waited = False                                 # a step could have built the order, and did not
+        self._steady = False             # the list's last decode step knew its capacities (see openings)
         self._by_phase = self._rows_by_phase = rows[:0]      # list positions and rows, by phase
         self._phase_bounds: List[int] = []
 
@@ -124,19 +124,20 @@ class GenBatch:
             return False
 
     def knows(self, cap_writes: int) -> bool:
-        """Whether `longest` and `room` hold for the capacities after capacity write cap_writes (the
-        table's latest: this list's own decode step was the last write)."""
+        """Whether `longest`, `room` and the phase order hold for the capacities after capacity write
+        cap_writes (the table's latest: this list's own decode step was the last write)."""
         return self.at == cap_writes
 
     def has_room(self, k: int, cap_writes: int) -> bool:
         """Whether k more tokens for every entry open no block and pass no max_seq_len (see room)."""
         return self.at == cap_writes and k <= self.room
 
-    def keep(self, room: int, longest: int, cap_writes: int, phased: bool) -> None:
+    def keep(self, room: int, longest: int, cap_writes: int, known: bool, phased: bool) -> None:
         """After a decode step of this list (the capacity write cap_writes): its room (-1: not worked out)
-        and its longest entry; phased: whether the step took its openings from the phase order (which
-        then moves to the next phase; otherwise it is dropped)."""
-        self.room, self.longest, self.at = room, longest, cap_writes
+        and its longest entry; known: whether the step knew its capacities (knows() held); phased: whether
+        it took its openings from the phase order (which then moves to the next phase; otherwise it is
+        dropped)."""
+        self.room, self.longest, self.at, self._steady = room, longest, cap_writes, known
         if phased:
             self._phase = (self._phase + 1) % (len(self._phase_bounds) - 1)
         else:
@@ -146,7 +147,10 @@ class GenBatch:
         """For a decode step of k tokens when knows() holds (cap: int64 [entries], the capacities the list's
         own last step left; group: a LayerGroup, whose block rules every group shares for generation
         tokens): the list positions and rows (int64 [opened], in list order) of the entries whose tokens
-        open a block; None when k does not divide tokens_per_block.
+        open a block; None when k does not divide tokens_per_block, or when there is no order for k and
+        the list's last decode step did not know its capacities either: the order is built on the second
+        of two such steps in a row, so that a list whose known steps come one at a time (a new list, a
+        rewind every other step) does not pay for an order it would use once.
 
         An entry's tokens open a block when what its last block has left (group.block_room) is below k.
         That drops by k a step, so with k dividing tokens_per_block it is below k once every
@@ -155,8 +159,7 @@ class GenBatch:
         if tpb % k:
             return None
         if self._phase_k != k:
-            if not self._waited:        # a list that changes after its first such step never pays for the order
-                self._waited = True
+            if not self._steady:
                 return None
             phase = group.block_room(cap) // k
             order = np.argsort(phase, kind="stable")         # stable: list order within a phase

@@ -268,8 +268,9 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
     steps made the last capacity writes. Checked against the model (the blocks each request holds), each
     step's tables against the reference, and a twin manager that works every step out from the capacities
     (no validated-list cache): the same state after every settle. Steps overlap (settled one late); a
-    rewind, a step of another list, a context step and frees with adds make the order stale, and it is
-    built again."""
+    rewind and a context step beside the list make the order stale, a step of another list and frees with
+    adds replace the list, and the order is built again after two steps in a row that know the list's
+    capacities."""
     fast, slow = make_mgr(slots=1000, max_batch=12), make_mgr(slots=1000, max_batch=12)
     orig_batch = slow.requests.generation_batch
 
@@ -282,7 +283,7 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
     openings = cupykv.requests.GenBatch.openings
 
     def counted(self, k_, cap_, group):
-        built.append(self._phase_k != k_ and self._waited)
+        built.append(self._phase_k != k_ and self._steady)
         found.append(openings(self, k_, cap_, group))
         return found[-1]
 
