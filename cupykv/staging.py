@@ -128,9 +128,11 @@ _ONE_BAD = np.full(1, BAD, np.int32)
 _ONE_BAD.flags.writeable = False
 
 # A step with at most this many changed cells ships each cell as a run of its own (run_coff 0, 1, 2, ...):
-# finding the runs takes more numpy calls than the words they would save, and a step's cells (a block opened
-# or released per row) are seldom adjacent. What comes in runs is logged as ranges: a context chunk's new
-# slots (written ranges), a cleared row (a fill run).
+# finding the runs takes more numpy calls than the words they would save (docs/host_profile.md). A
+# context chunk's new slots come as written ranges, a freed row as a cleared range; what such a step still
+# logs cell by cell is mostly a block opened or released per row, seldom adjacent. When some are (a window
+# release of 16-63 blocks a row: a chunk's, in a group without scratch reuse), each-cell runs ship up to
+# 4 words a cell where their fill run would ship 4 words in all: at most 252 words more a step.
 EACH_CELL_MAX = 64
 _EACH_CELL = np.arange(EACH_CELL_MAX + 1, dtype=np.int64)     # read-only use: packed, never written
 _EACH_CELL.flags.writeable = False
@@ -191,11 +193,11 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
 
     begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
     cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD, shipped as snapshot_runs gives them; cleared: None or int64 [n >= 1, 2], flat ranges [lo, hi)
-    that hold BAD in every cell, each shipped as a fill run after the cells' runs; written: None or (int64
-    [n >= 1, 2] flat ranges [lo, hi), int32 their cells' values range after range), each range shipped as a
-    run after the cells' runs; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows
-    kept past the batch (None: none).
+    or BAD, shipped as snapshot_runs gives them; written: None or (int64 [n >= 1, 2] flat ranges [lo, hi),
+    int32 their cells' values range after range), each range shipped as a run after the cells' runs;
+    cleared: None or int64 [n >= 1, 2], flat ranges [lo, hi) that hold BAD in every cell, each shipped as a
+    fill run after those; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept
+    past the batch (None: none).
     """
     run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
     num_cells = len(cells)

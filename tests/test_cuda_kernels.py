@@ -143,25 +143,43 @@ def make_case(layout: Layout, rng, num_seqs: int, num_contexts: int) -> SimpleNa
     # null slots anywhere in the pool's range (the kernels do not care whether a table cell holds the same
     # slot; the manager never allocates it)
     null_slots = rng.integers(0, NUM_SLOTS, P).astype(np.int32)
-    return SimpleNamespace(old=old, new=new, cells=cells, num_seqs=num_seqs, num_contexts=num_contexts,
+    # half the time the runs of adjacent changed cells go as written ranges (PageTable.write_runs: a context
+    # chunk's new slots), each a run with its values, and only the other cells as cells
+    ranges = np.zeros((0, 2), np.int64)
+    if rng.random() < 0.5 and len(cells):
+        u = np.unique(cells)
+        start = u[np.concatenate(([True], u[1:] != u[:-1] + 1))]
+        length = np.diff(np.flatnonzero(np.concatenate(([True], u[1:] != u[:-1] + 1, [True]))))
+        pick = (length >= 2) & (rng.random(len(start)) < 0.7)
+        ranges = np.stack((start[pick], start[pick] + length[pick]), 1)
+        covered = np.zeros(new.size, bool)
+        for lo, hi in ranges.tolist():
+            covered[lo:hi] = True
+        cells = cells[~covered[cells]]
+    return SimpleNamespace(old=old, new=new, cells=cells, ranges=ranges, num_seqs=num_seqs, num_contexts=num_contexts,
                            copy_idx=copy_idx, begs=begs, ends=ends, scratch=scratch, cu_tokens=cu_tokens,
                            start_pos=start_pos, num_tokens=int(cu_tokens[-1]), pad_to=pad_to,
                            null_slots=null_slots)
 
 
 def pack(case, num_groups: int, mode: int = MODE_FULL, deltas: bool = True, rebuilt=(), held=()) -> np.ndarray:
-    """The case as one snapshot (with `deltas`: the new table's values of the changed cells; rebuilt: a
-    DELTA step's entries written whole; held: the rows kept past the batch)."""
+    """The case as one snapshot (with `deltas`: the new table's values of the changed cells, and of its
+    written ranges; rebuilt: a DELTA step's entries written whole; held: the rows kept past the batch)."""
     cells = case.cells if deltas else np.empty(0, np.int64)
-    values = case.new.reshape(-1)[cells]
+    flat = case.new.reshape(-1)
+    values = flat[cells]
     run_start, _, _, shipped = snapshot_runs(cells, values)
+    written = None
+    if deltas and len(case.ranges):
+        written = (case.ranges, np.concatenate([flat[lo:hi] for lo, hi in case.ranges.tolist()]).astype(np.int32))
+    num_ranges, range_cells = len(case.ranges) if written else 0, len(written[1]) if written else 0
     rebuilt, held = np.asarray(rebuilt, np.int64), np.asarray(held, np.int64)
-    words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2], len(run_start),
-                           len(shipped), len(rebuilt), len(held))
+    words = snapshot_words(case.num_seqs, case.num_contexts, num_groups, case.scratch.shape[2],
+                           len(run_start) + num_ranges, len(shipped) + range_cells, len(rebuilt), len(held))
     snap = np.full(words + 7, -7, np.int32)              # slack past the end must not matter
     assert pack_snapshot(snap, 7, case.copy_idx, case.begs, case.ends, case.scratch, cells, values,
                          case.cu_tokens, case.start_pos, mode=mode, pad_to=case.pad_to, rebuilt=rebuilt,
-                         held=held) == words
+                         held=held, written=written) == words
     return snap
 
 
@@ -418,7 +436,8 @@ def cuda_backend():
 # grid-size hints (entries, changed cells, tokens): none (grids sized for capacity, as in a graph), exact, and
 # too small (the kernels must grid-stride)
 HINTS = {"none": lambda c: (None, None, None),
-         "exact": lambda c: (max(c.num_seqs, c.pad_to), len(c.cells), c.num_tokens),
+         "exact": lambda c: (max(c.num_seqs, c.pad_to), len(c.cells) + int((c.ranges[:, 1] - c.ranges[:, 0]).sum()),
+                             c.num_tokens),
          "small": lambda c: (1, 1, 1)}
 
 

@@ -105,10 +105,10 @@ def test_ring_grows_then_raises_when_exhausted(backend_name):
 
 def test_few_cells_ship_each_as_a_run_and_round_trip():
     """A step with at most EACH_CELL_MAX changed cells (a decode step's few, or a context step's, whose
-    chunks' slots come as written ranges) ships each cell as a run of its own, adjacent ones and repeats
-    included, BAD values among them, and its cleared ranges as fill runs after them; unpacked as the
-    kernels read it, every cell carries its value, and written ranges (a context chunk's new slots) ship as a
-    run each, with their values. One more cell and adjacent cells merge into runs again."""
+    chunks' new slots come as written ranges) ships each cell as a run of its own, adjacent ones and repeats
+    included, BAD values among them, then its written ranges as a run each with their values, then its
+    cleared ranges as fill runs; unpacked as the kernels read it, every cell carries its value. One more
+    cell and adjacent cells merge into runs again."""
     rng = np.random.default_rng(5)
     for n in (0, 1, 2, EACH_CELL_MAX - 1, EACH_CELL_MAX, EACH_CELL_MAX + 1):
         for contexts in (0, 1):
