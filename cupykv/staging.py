@@ -186,6 +186,15 @@ def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_wi
             + num_held)
 
 
+def _ranges_after(runs: tuple, lo: np.ndarray, past: np.ndarray, run_value: np.ndarray, values: np.ndarray) -> tuple:
+    """runs (run_start, run_coff, run_value, shipped) followed by the ranges starting at lo (int64 [n]) with
+    cumulative lengths past (int64 [n]), whose run values are run_value and whose values follow the shipped
+    ones."""
+    run_start, run_coff, first, shipped = runs
+    return (np.concatenate((run_start, lo)), np.concatenate((run_coff, run_coff[-1] + past)),
+            np.concatenate((first, run_value)), np.concatenate((shipped, values)))
+
+
 def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, cells, values,
                   cu_tokens, start_pos, mode: int = MODE_FULL, pad_to: int = 0, rebuilt=None,
                   held=None, cleared=None, written=None) -> int:
@@ -199,24 +208,18 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     fill run after those; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept
     past the batch (None: none).
     """
-    run_start, run_coff, run_value, shipped = snapshot_runs(cells, values)
+    runs = snapshot_runs(cells, values)
     num_cells = len(cells)
-    if written is not None:
+    if written is not None:         # each range's values, where its run's values start
         ranges, written_values = written
-        lo, length = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
+        length = ranges[:, 1] - ranges[:, 0]
         past = length.cumsum()
-        run_start = np.concatenate((run_start, lo))
-        run_coff = np.concatenate((run_coff, run_coff[-1] + past))
-        run_value = np.concatenate((run_value, len(shipped) + past - length))    # where each range's values start
-        shipped = np.concatenate((shipped, written_values))
-        num_cells = int(run_coff[-1])
-    if cleared is not None:
-        lo, hi = cleared[:, 0], cleared[:, 1]
-        run_start = np.concatenate((run_start, lo))
-        run_coff = np.concatenate((run_coff, run_coff[-1] + (hi - lo).cumsum()))
-        # every range's one value is the same BAD, shipped once after the cells' values
-        run_value = np.concatenate((run_value, np.full(len(lo), ~len(shipped), np.int64)))
-        shipped = np.concatenate((shipped, _ONE_BAD))
+        runs = _ranges_after(runs, ranges[:, 0], past, len(runs[3]) + past - length, written_values)
+    if cleared is not None:         # every range's one value is the same BAD, shipped once
+        runs = _ranges_after(runs, cleared[:, 0], (cleared[:, 1] - cleared[:, 0]).cumsum(),
+                             np.full(len(cleared), ~len(runs[3]), np.int64), _ONE_BAD)
+    run_start, run_coff, run_value, shipped = runs
+    if written is not None or cleared is not None:
         num_cells = int(run_coff[-1])
     rebuilt = NO_INDEX if rebuilt is None else rebuilt
     held = NO_INDEX if held is None else held
