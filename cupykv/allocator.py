@@ -215,7 +215,7 @@ class CachingSlotPool(SlotPool):
         # Not taken by a hit, not released again since; once each, in the order of its last release (hit
         # and released again under the same tag, a slot is in its entry twice).
         slots = slots[self.qtag[slots] == tag]
-        if len(slots) > 1:
+        if not _no_repeats(slots):
             newest_first = slots[::-1]
             slots = newest_first[_first_occurrences(newest_first)][::-1]
         self.qtag[slots] = NO_TAG

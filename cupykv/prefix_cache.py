@@ -278,20 +278,28 @@ class PrefixCache:
         tpb, held, starts, tokens = self.tpb, self.tail_len[rows], reported.offsets[:-1], reported.tokens
         counts = reported.offsets[1:] - starts
         grown = held + counts
-        fits = use & (grown <= tpb)
-        # every token's flat place in tail_tokens, as if it were taken (the mask keeps the ones that are)
-        if len(tokens) == len(rows) and (counts == 1).all():      # one token each: entry j's is tokens[j]
-            place, mask = rows * tpb + held, fits
+        if len(tokens) == len(rows) and (counts == 1).all() and use.all():
+            # A decode step's one token for each entry, every row's tokens known: entry j's token is tokens[j],
+            # and it fits (a tail is hashed as soon as it fills, so tail_len < tpb), so no mask is needed.
+            self.tail_tokens.reshape(-1)[rows * tpb + held] = tokens
+            self.tail_len[rows] = grown
+            filled, past = rows[grown == tpb], ()
         else:
-            place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
-            mask = np.repeat(fits, counts)
-        self.tail_tokens.reshape(-1)[place[mask]] = tokens[mask]
-        self.tail_len[rows[fits]] = grown[fits]
-        for row in rows[fits & (grown == tpb)].tolist():
+            fits = use & (grown <= tpb)
+            # every token's flat place in tail_tokens, as if it were taken (the mask keeps the ones that are)
+            if len(tokens) == len(rows) and (counts == 1).all():      # one token each: entry j's is tokens[j]
+                place, mask = rows * tpb + held, fits
+            else:
+                place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
+                mask = np.repeat(fits, counts)
+            self.tail_tokens.reshape(-1)[place[mask]] = tokens[mask]
+            self.tail_len[rows[fits]] = grown[fits]
+            filled, past = rows[fits & (grown == tpb)], np.flatnonzero(use & ~fits).tolist()
+        for row in filled.tolist():
             seq = self.seqs[row]
             seq.hashes.append(_h(self._parent(seq), seq.salt, self.tail_tokens[row].data))
             self.tail_len[row] = 0
-        for j in np.flatnonzero(use & ~fits).tolist():
+        for j in past:
             row, n = int(rows[j]), int(held[j])
             rest = self._hash_blocks(self.seqs[row], np.concatenate((self.tail_tokens[row, :n],
                                                                      tokens[starts[j]:starts[j] + counts[j]])))
@@ -308,11 +316,14 @@ class PrefixCache:
             seq = self.seqs[row]
             full = min(history // self.tpb, len(seq.hashes))
             before = seq.published
-            if full <= min(before):             # (most rows: a decode block without its tokens reported)
+            first = min(before)
+            if full <= first:                   # (most rows: a decode block without its tokens reported)
                 continue
             seq.published, hashes = [full] * len(before), seq.hashes
+            # every group's slots of blocks [first, full) in one slice (each group reads from its own lo on)
+            held = table[:, row, first:full].tolist()
             for p, (lo, (by_hash, names, host)) in enumerate(zip(before, groups)):
-                for h, slot in zip(hashes[lo:full], table[p, row, lo:full].tolist()):
+                for h, slot in zip(hashes[lo:full], held[p][lo - first:]):
                     if slot != BAD and h not in by_hash and slot not in names:   # (names: the slots pool.hashed marks)
                         by_hash[h] = slot
                         names[slot] = h
@@ -323,11 +334,11 @@ class PrefixCache:
                         else:       # computed again while cached on the host: the device copy takes its place
                             del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                             self.host.release_cache_slot(p, hs)
-            if min(before) < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
+            if first < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
                 self._retain(seq, before, full)
         for pool, slots in zip(self.pools, named):
             if slots:
-                pool.hashed[slots] = True
+                pool.hashed.put(slots, True)    # (a list as an index converts slowly: put takes it at C speed)
 
     def settle(self, step_rows: np.ndarray, index: np.ndarray, num_contexts: int, rows: np.ndarray,
                hist: np.ndarray, acc: np.ndarray, reported: Optional[Reported], table: np.ndarray) -> None:
@@ -337,20 +348,26 @@ class PrefixCache:
         rows, hist, acc: their rows, new histories and accepted tokens; reported: the entries' reported
         tokens (args.generation_tokens) or None; table: int32 [P, rows, B].
         """
-        silent = (index >= num_contexts) & (acc > 0)        # generation entries that advanced ...
-        if reported is not None and len(reported.entries):
-            entries, n = reported.entries, len(step_rows)
-            said = np.zeros(n, bool)        # masks over the step's entries (isin sorts: more than this costs)
-            said[entries] = True
-            silent &= ~said[index]                           # ... without reporting their tokens
-            rows_of = step_rows[entries].astype(np.int64)
-            use = self.complete[rows_of]
-            if len(index) < n:              # entries freed since the prepare: their rows may be others' now
-                live = np.zeros(n, bool)
-                live[index] = True
-                use &= live[entries]
-            self._extend(rows_of, use, reported)
-        self.complete[rows[silent]] = False
+        n = len(step_rows)
+        if reported is not None and len(reported.entries) == n - num_contexts and len(index) == n:
+            # every generation entry reported its tokens, and none was freed (a decode step's usual case):
+            # the entries are num_contexts..n - 1 and their rows `rows` (index is every entry)
+            self._extend(rows[num_contexts:], self.complete[rows[num_contexts:]], reported)
+        else:
+            silent = (index >= num_contexts) & (acc > 0)        # generation entries that advanced ...
+            if reported is not None and len(reported.entries):
+                entries = reported.entries
+                said = np.zeros(n, bool)        # masks over the step's entries (isin sorts: more than this costs)
+                said[entries] = True
+                silent &= ~said[index]                           # ... without reporting their tokens
+                rows_of = step_rows[entries].astype(np.int64)
+                use = self.complete[rows_of]
+                if len(index) < n:              # entries freed since the prepare: their rows may be others' now
+                    live = np.zeros(n, bool)
+                    live[index] = True
+                    use &= live[entries]
+                self._extend(rows_of, use, reported)
+            self.complete[rows[silent]] = False
         shift = self.tpb.bit_length() - 1
         crossed = np.flatnonzero((hist >> shift) > ((hist - acc) >> shift))     # rows that completed a block
         if len(crossed):

@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE [batch ...] [--backend cuda|host] [--steps N]
     PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE --workload [--contexts 8] [--seq 131072] [...]
     PYTHONPATH=. python scripts/ab_in_process.py --shared --workload [--contexts 8] [...]
+    PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE [batch ...] --prefix [--backend host]
 
 The host's speed differs from process to process by up to 1.6x (the same tree in two processes of one
 device call: docs/host_profile.md), more than most changes to a step move it, so comparing trees in
@@ -15,7 +16,9 @@ prepare_batch and settle per tree; on the host backend the queued device work is
 GPT-OSS-120B at --seq tokens, batch 256, requests finishing and arriving; with --contexts N its "ctx"
 steps, N requests prefilling in chunks of 8192; one plan per step applied to both managers), with the
 frees and adds (the schedule) timed too. --shared: this tree's PER_LAYER and SHARED managers instead of
-two trees.
+two trees. --prefix: the decode steps with prefix caching on (the prompts added with their tokens), each
+settled with every entry's new token as one array in batch order (new_tokens=, the form a large batch
+uses), the same tokens for both trees.
 """
 import dataclasses
 import importlib.util
@@ -40,14 +43,14 @@ def load(tree: pathlib.Path, name: str):
     return module
 
 
-def prefilled(kv, batch: int, backend: str):
-    mgr = prefilled_manager(batch, backend, kv)
+def prefilled(kv, batch: int, backend: str, prefix: bool = False):
+    mgr = prefilled_manager(batch, backend, kv, prefix_caching=prefix)
     if backend == "host":
         stub_device_work(mgr.backend)
     return mgr
 
 
-def step(mgr, rids, wait: bool, contexts=()):
+def step(mgr, rids, wait: bool, contexts=(), new_tokens=None):
     t0 = time.perf_counter()
     s = mgr.prepare_batch(contexts, rids)
     t1 = time.perf_counter()
@@ -55,7 +58,7 @@ def step(mgr, rids, wait: bool, contexts=()):
         s.ready.synchronize()
     s.finish()
     t2 = time.perf_counter()
-    mgr.settle(s)
+    mgr.settle(s, new_tokens=new_tokens)
     return t1 - t0, time.perf_counter() - t2
 
 
@@ -116,16 +119,20 @@ def main():
         return
     batches = [int(b) for b in positional] or [1, 256]
     for batch in batches:
-        managers = {label: prefilled(kv, batch, backend) for label, kv in trees.items()}
+        prefix = "--prefix" in args
+        managers = {label: prefilled(kv, batch, backend, prefix) for label, kv in trees.items()}
         rids = list(range(batch))
         times = {label: ([], []) for label in managers}
+        rng = np.random.default_rng(1)
         for i in range(steps + 50):
+            new_tokens = rng.integers(0, 50000, batch) if prefix else None
             for label, mgr in (managers.items() if i % 2 else reversed(managers.items())):
-                prepare, settle = step(mgr, rids, backend == "cuda")
+                prepare, settle = step(mgr, rids, backend == "cuda", new_tokens=new_tokens)
                 if i >= 50:
                     times[label][0].append(prepare)
                     times[label][1].append(settle)
-        print(f"batch {batch}, {backend} backend, steps in turn, each waited for: medians of {steps}")
+        print(f"batch {batch}, {backend} backend{', prefix caching, new_tokens' if prefix else ''}, steps in turn, "
+              f"each waited for: medians of {steps}")
         for label, (prepare, settle) in times.items():
             print(f"  {label:18s} prepare_batch {np.median(prepare) * 1e6:6.1f} us   settle {np.median(settle) * 1e6:6.1f} us")
 

@@ -27,17 +27,23 @@ class _DoneEvent:
         pass
 
 
-def prefilled_manager(batch: int = 256, backend: str = "host", kv=cupykv) -> cupykv.KVCacheManager:
+def prefilled_manager(batch: int = 256, backend: str = "host", kv=cupykv, prefix_caching: bool = False
+                      ) -> cupykv.KVCacheManager:
     """A GPT-OSS-120B-shaped manager (32k) with `batch` requests prefilled to 8k-30k tokens (the window
     group has room for one whole prompt: its prefill holds every block until it settles). kv: the cupykv
-    package to make it with (scripts/ab_in_process.py loads two)."""
+    package to make it with (scripts/ab_in_process.py loads two); prefix_caching: on, the prompts added
+    with random tokens (their blocks cached, no two alike)."""
     spec = kv.CacheSpec(windows=[128, None] * 18, num_kv_heads=8, head_dim=64, tokens_per_block=32,
                         max_seq_len=32768, max_batch=batch, slots_per_group=[max(batch * 8, 1024), batch * 1100],
-                        max_step_tokens=1 << 22)
+                        max_step_tokens=1 << 22, prefix_caching=prefix_caching)
     mgr = kv.KVCacheManager(spec, backend=backend)
     rng = np.random.default_rng(0)
     for r in range(batch):
-        mgr.add(r, int(rng.integers(8192, 30000)))
+        n = int(rng.integers(8192, 30000))
+        if prefix_caching:
+            mgr.add(r, n, tokens=rng.integers(0, 50000, n))
+        else:
+            mgr.add(r, n)
         s = mgr.prepare_batch({r: mgr.request(r).prompt_len})
         s.finish()
         mgr.settle(s)
