@@ -58,7 +58,7 @@ class CachedSeq:
                                          # moves them to the cache's row (PrefixCache.tail_tokens)
     boundaries: List[int]                # positions whose window is retained (prompt end, chunk ends, ...)
     hit_blocks: int = 0                  # blocks [0, hit_blocks) came from a hit
-    published: List[int] = field(default_factory=list)    # per group: blocks [0, n) were offered
+    published: int = 0                   # blocks [0, published) were offered, in every group
     margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
     ranges: Dict = field(default_factory=dict)    # group -> the retained block ranges, a list of (lo, hi)
 
@@ -234,14 +234,14 @@ class PrefixCache:
 
     # -- requests --------------------------------------------------------------------------------
     def begin(self, row: int, seq: CachedSeq) -> None:
-        seq.published = [seq.hit_blocks] * len(self.groups)
+        seq.published = seq.hit_blocks
         seq.margin = [None] * len(self.groups)
         self.seqs[row] = seq
         self.complete[row] = True
         self.tail_len[row] = n = len(seq.tail)
         self.tail_tokens[row, :n] = seq.tail
         seq.tail = None
-        self._retain(seq, [0] * len(self.groups), seq.hit_blocks)
+        self._retain(seq, 0, seq.hit_blocks)
 
     def end(self, row: int, table: np.ndarray) -> None:
         """The request in `row` is freed; table: int32 [P, rows, B] before its row is released. The cached
@@ -253,16 +253,15 @@ class PrefixCache:
             held = np.flatnonzero(table[g.index, row, :len(seq.hashes)] != BAD).tolist()
             self._mark(g.index, [seq.hashes[b] for b in held])
 
-    def _retain(self, seq: CachedSeq, lo: Sequence[int], hi: int, ranges=None) -> None:
-        """Mark kept the cached blocks of [lo[p], hi) of the request that lie in its retained ranges (or in
+    def _retain(self, seq: CachedSeq, lo: int, hi: int, ranges=None) -> None:
+        """Mark kept the cached blocks of [lo, hi) of the request that lie in its retained ranges (or in
         `ranges`, per group), in every sliding-window group."""
         if self.retention == "all":
             return
         top = min(hi, len(seq.hashes))
         for g in self._windowed:
-            start = lo[g.index]
             self._mark(g.index, [seq.hashes[blk] for a, b in (self._ranges(seq, g) if ranges is None else ranges[g.index])
-                                 for blk in range(max(a, start), min(b, top))])
+                                 for blk in range(max(a, lo), min(b, top))])
 
     def _mark(self, p: int, hashes: List[bytes]) -> None:
         """Mark kept those of these hashes that group p caches."""
@@ -314,16 +313,12 @@ class PrefixCache:
         named = [[] for _ in groups]            # per group: the slots this call names (pool.hashed set after)
         for row, history in zip(rows, histories):
             seq = self.seqs[row]
-            full = min(history // self.tpb, len(seq.hashes))
-            before = seq.published
-            first = min(before)
-            if full <= first:                   # (most rows: a decode block without its tokens reported)
+            lo, full = seq.published, min(history // self.tpb, len(seq.hashes))
+            if full <= lo:                      # (most rows: a decode block without its tokens reported)
                 continue
-            seq.published, hashes = [full] * len(before), seq.hashes
-            # every group's slots of blocks [first, full) in one slice (each group reads from its own lo on)
-            held = table[:, row, first:full].tolist()
-            for p, (lo, (by_hash, names, host)) in enumerate(zip(before, groups)):
-                for h, slot in zip(hashes[lo:full], held[p][lo - first:]):
+            seq.published, hashes = full, seq.hashes[lo:full]
+            for p, ((by_hash, names, host), slots) in enumerate(zip(groups, table[:, row, lo:full].tolist())):
+                for h, slot in zip(hashes, slots):
                     if slot != BAD and h not in by_hash and slot not in names:   # (names: the slots pool.hashed marks)
                         by_hash[h] = slot
                         names[slot] = h
@@ -334,8 +329,8 @@ class PrefixCache:
                         else:       # computed again while cached on the host: the device copy takes its place
                             del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                             self.host.release_cache_slot(p, hs)
-            if first < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
-                self._retain(seq, before, full)
+            if lo < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
+                self._retain(seq, lo, full)
         for pool, slots in zip(self.pools, named):
             if slots:
                 pool.hashed.put(slots, True)    # (a list as an index converts slowly: put takes it at C speed)
@@ -421,7 +416,7 @@ class PrefixCache:
         seq = self.seqs[row]
         seq.boundaries.append(pos)
         seq.ranges.clear()
-        self._retain(seq, [0] * len(self.groups), min(seq.published),
+        self._retain(seq, 0, seq.published,
                      {g.index: self._retained(g, [pos]) for g in self._windowed})
 
     def _retained(self, g: LayerGroup, boundaries: Sequence[int]) -> List[Tuple[int, int]]:
@@ -482,7 +477,7 @@ class PrefixCache:
 
     def state(self) -> tuple:
         seqs = tuple((row, s.salt, tuple(self.tail_tokens[row, :self.tail_len[row]].tolist()), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
-                      bool(self.complete[row]), tuple(s.published), tuple(s.margin)) for row, s in sorted(self.seqs.items()))
+                      bool(self.complete[row]), s.published, tuple(s.margin)) for row, s in sorted(self.seqs.items()))
         return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
                 tuple(tuple(sorted(k)) for k in self.kept),
                 tuple(tuple(t.items()) for t in self.host_hash_of),
