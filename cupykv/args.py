@@ -205,10 +205,10 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         tokens = token_ids(new_tokens, f"new_tokens (every generation entry's accepted tokens in batch order, "
                                        f"{len(offsets) - 1} entries)", int(offsets[-1]))
         return Reported(np.arange(num_contexts, len(accepted), dtype=np.int64), offsets, tokens)
-    index = dict(zip(request_ids, range(len(request_ids))))
-    fast = _plain_lists(new_tokens, index, accepted, num_contexts)
+    fast = _plain_lists(new_tokens, request_ids, accepted, num_contexts)
     if fast is not None:
         return fast
+    index = dict(zip(request_ids, range(len(request_ids))))
     counts = accepted.tolist()
     entries, lists = [], []
     for rid, toks in new_tokens.items():
@@ -223,34 +223,47 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         toks = token_ids(toks, f"new_tokens of request {rid!r} ({n} accepted)", n).tolist()
         entries.append(i)
         lists.append(toks)
-    return _in_batch_order(np.array(entries, np.int64), lists)
+    entries = np.array(entries, np.int64)
+    return _in_batch_order(entries, lists, accepted[entries])
 
 
-def _plain_lists(new_tokens: Mapping, index: dict, accepted: np.ndarray, num_contexts: int) -> Optional[Reported]:
+def _plain_lists(new_tokens: Mapping, request_ids: Sequence, accepted: np.ndarray, num_contexts: int
+                 ) -> Optional[Reported]:
     """generation_tokens' mapping of the usual kind, with C-speed checks: every key a generation entry's
     request id, every value a list of as many Python ints as the entry accepted, each in int64. None
     for anything else (generation_tokens then checks entry by entry and says what is wrong)."""
     lists = list(new_tokens.values())
     try:
-        entries = np.fromiter(map(index.get, new_tokens, itertools.repeat(-1)), np.int64, len(lists))
-    except TypeError:       # an unhashable key
+        if list(new_tokens) == request_ids[num_contexts:]:      # every generation entry, in batch order
+            entries = np.arange(num_contexts, len(request_ids), dtype=np.int64)
+        else:
+            index = dict(zip(request_ids, range(len(request_ids))))
+            entries = np.fromiter(map(index.get, new_tokens, itertools.repeat(-1)), np.int64, len(lists))
+    except Exception:        # an unhashable key, or an id whose == misbehaves (an array)
         return None
     if (entries < num_contexts).any() or set(map(type, lists)) != {list}:
         return None
-    if list(map(len, lists)) != accepted[entries].tolist() or not set(map(type, itertools.chain.from_iterable(lists))) <= {int}:
+    counts = accepted[entries]
+    if list(map(len, lists)) != counts.tolist():
         return None
     try:
-        return _in_batch_order(entries, lists)
+        return _in_batch_order(entries, lists, counts, checked=False)
     except OverflowError:
         return None
 
 
-def _in_batch_order(entries: np.ndarray, lists: List[List[int]]) -> Reported:
-    """Reported from distinct generation entries (int64 [n], any order) and each one's tokens."""
-    order = np.argsort(entries, kind="stable")
-    in_order = [lists[j] for j in order.tolist()]
+def _in_batch_order(entries: np.ndarray, lists: List[List[int]], counts: np.ndarray,
+                    checked: bool = True) -> Optional[Reported]:
+    """Reported from distinct generation entries (int64 [n], any order), each one's tokens, and how many
+    (int64 [n]). A mapping built in batch order (the usual one) is taken as it is. checked: every token is
+    known to be an int (else None when one is not; OverflowError when one does not fit int64)."""
+    if len(entries) > 1 and not (entries[1:] > entries[:-1]).all():
+        order = np.argsort(entries, kind="stable")
+        entries, counts, lists = entries[order], counts[order], [lists[j] for j in order.tolist()]
+    flat = list(itertools.chain.from_iterable(lists))
+    if not checked and not set(map(type, flat)) <= {int}:
+        return None
     offsets = np.zeros(len(entries) + 1, np.int64)
-    np.cumsum(list(map(len, in_order)), out=offsets[1:])
-    tokens = np.fromiter(itertools.chain.from_iterable(in_order), np.int64, int(offsets[-1]))
-    return Reported(entries[order], offsets, tokens)
+    counts.cumsum(out=offsets[1:])
+    return Reported(entries, offsets, np.array(flat, np.int64))
 

@@ -601,12 +601,13 @@ def test_rejected_speculative_tokens_never_reach_the_cache(harness):
     assert h.query("C", prompt + [501, 502, 503, 504, 505, 506, 1]) == 12
 
 
-@pytest.mark.parametrize("container", ["list", "int32 array"])
+@pytest.mark.parametrize("container", ["list", "int32 array", "mapping", "mapping in another order"])
 def test_tokens_in_batch_order_cache_what_a_mapping_would(harness, container):
-    """settle(new_tokens=) as one sequence in batch order: the model takes the same tokens as a mapping
-    and checks the cache after every step. Three requests decode 3 draft tokens a step beside a context
-    chunk (tpb 4: entries fill a block exactly, stop short of it, or run past its end), accepting 0-3;
-    then follow-ups hit each request's decode blocks, and not past what it accepted."""
+    """settle(new_tokens=) as one sequence in batch order, or as a mapping whose keys are the generation
+    entries in batch order or in another (each its own path to the same entries): the model takes the same
+    tokens as a mapping and checks the cache after every step. Three requests decode 3 draft tokens a step
+    beside a context chunk (tpb 4: entries fill a block exactly, stop short of it, or run past its end),
+    accepting 0-3; then follow-ups hit each request's decode blocks, and not past what it accepted."""
     h = harness(windows=[None], tokens_per_block=4, max_rewind=3, max_seq_len=96)
     prompts = {rid: toks(130 + i, 6) for i, rid in enumerate("ABC")}
     for rid, p in prompts.items():
@@ -618,8 +619,9 @@ def test_tokens_in_batch_order_cache_what_a_mapping_would(harness, container):
     for i, counts in enumerate(pattern):
         new = {rid: [600 + 10 * i + j + 100 * k for j in range(n)] for k, (rid, n) in enumerate(zip("ABC", counts))}
         flat = [t for rid in "ABC" for t in new[rid]]
-        h.step({"D": 5}, list("ABC"), k=3, accepted=[5, *counts],
-               new_tokens=np.array(flat, np.int32) if container == "int32 array" else flat, model_tokens=new)
+        given = {"list": flat, "int32 array": np.array(flat, np.int32), "mapping": new,
+                 "mapping in another order": {rid: new[rid] for rid in "CAB"}}[container]
+        h.step({"D": 5}, list("ABC"), k=3, accepted=[5, *counts], new_tokens=given, model_tokens=new)
         for rid in "ABC":
             kept[rid] += new[rid]
     for rid in "ABC":
