@@ -8,6 +8,7 @@ sees a numpy scalar.
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import List, Mapping, NamedTuple, Optional, Sequence, Type
 
 import numpy as np
@@ -233,14 +234,17 @@ def _plain_lists(new_tokens: Mapping, request_ids: Sequence, accepted: np.ndarra
     request id, every value a list of as many Python ints as the entry accepted, each in int64. None
     for anything else (generation_tokens then checks entry by entry and says what is wrong)."""
     lists = list(new_tokens.values())
-    try:
-        if list(new_tokens) == request_ids[num_contexts:]:      # every generation entry, in batch order
-            entries = np.arange(num_contexts, len(request_ids), dtype=np.int64)
-        else:
-            index = dict(zip(request_ids, range(len(request_ids))))
-            entries = np.fromiter(map(index.get, new_tokens, itertools.repeat(-1)), np.int64, len(lists))
-    except Exception:        # an unhashable key, or an id whose == misbehaves (an array)
-        return None
+    keys, gen_ids = list(new_tokens), request_ids[num_contexts:]
+    # The generation entries' own ids, in batch order (a mapping built by walking the batch): a dict lookup
+    # would find each at its place (identity, not ==: an equal key of another type need not hash alike).
+    if len(keys) == len(gen_ids) and all(map(operator.is_, keys, gen_ids)):
+        entries = np.arange(num_contexts, len(request_ids), dtype=np.int64)
+    else:
+        index = dict(zip(request_ids, range(len(request_ids))))
+        try:
+            entries = np.fromiter(map(index.get, keys, itertools.repeat(-1)), np.int64, len(lists))
+        except TypeError:       # an unhashable key
+            return None
     if (entries < num_contexts).any() or set(map(type, lists)) != {list}:
         return None
     counts = accepted[entries]

@@ -1157,6 +1157,21 @@ def test_bad_new_tokens(accepted, new_tokens, exc, needles):
     assert mgr.request("A").history == 40 + len(good["A"])
 
 
+@pytest.mark.parametrize("rid,key", [(2 ** 53 + 1, np.float64(2 ** 53)), (0.1, np.float32(0.1))])
+def test_new_tokens_key_equal_to_an_id_but_not_the_same_key_is_unknown(rid, key):
+    """A mapping's key is a request id as a dict finds it (hash, then ==), even when the key is == to the
+    step's one generation id in its place (NumPy 2 compares np.float64(2**53) with the int 2**53 + 1 as
+    equal, and np.float32(0.1) with the float 0.1, but their hashes differ): unknown, nothing changed."""
+    assert key == rid and hash(key) != hash(rid)
+    mgr = cached_mgr()
+    cached_prefill(mgr, rid, PROMPT)
+    step = mgr.prepare_batch(generation=[rid])
+    step.finish()
+    expect_fail(mgr, UnknownRequestError, ["new_tokens", repr(key)], lambda: mgr.settle(step, new_tokens={key: [7]}))
+    mgr.settle(step, new_tokens={rid: [7]})
+    assert mgr.request(rid).history == len(PROMPT) + 1
+
+
 @pytest.mark.parametrize("form", ["mapping", "batch order"])
 def test_new_tokens_of_a_freed_request_are_accepted_and_ignored(form):
     mgr, step = new_tokens_mgr()
