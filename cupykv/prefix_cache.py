@@ -385,8 +385,9 @@ class PrefixCache:
             seq = self.seqs.get(row)
             if seq is None or lo == end:
                 continue
-            drop += [s for b, s in zip(blocks[lo:end - 1], slots[lo:end - 1])
-                     if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
+            if end - lo > 1:                      # (a decode step's rows release one block each: only the newest)
+                drop += [s for b, s in zip(blocks[lo:end - 1], slots[lo:end - 1])
+                         if s != BAD and not self._keeps(seq, g, b) and names.get(s) not in kept]
             old = seq.margin[p]
             if old is not None:
                 b, slot = old
