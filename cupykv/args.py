@@ -200,7 +200,7 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         if isinstance(new_tokens, (str, bytes)) or not isinstance(new_tokens, (np.ndarray, Sequence)):
             raise InvalidRequestError(f"new_tokens={new_tokens!r}: pass a mapping request id -> token ids, or "
                                       "the generation entries' accepted tokens in batch order")
-        offsets = np.empty(len(accepted) - num_contexts + 1, np.int64)     # (a concatenation costs 3x this)
+        offsets = np.empty(len(accepted) - num_contexts + 1, np.int64)     # (cheaper than concatenating a zero)
         offsets[0] = 0
         accepted[num_contexts:].cumsum(out=offsets[1:])
         tokens = token_ids(new_tokens, f"new_tokens (every generation entry's accepted tokens in batch order, "
