@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Type
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -206,10 +206,17 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         tokens = token_ids(new_tokens, f"new_tokens (every generation entry's accepted tokens in batch order, "
                                        f"{len(offsets) - 1} entries)", int(offsets[-1]))
         return Reported(np.arange(num_contexts, len(accepted), dtype=np.int64), offsets, tokens)
-    fast = _plain_lists(new_tokens, request_ids, accepted, num_contexts)
+    keys = list(new_tokens)
+    # The generation entries' own ids, in batch order (a mapping built by walking the batch): a dict lookup
+    # would find each at its place (identity, not ==: an equal key of another type need not hash alike).
+    gen_ids = request_ids[num_contexts:]
+    index = (None if len(keys) == len(gen_ids) and all(map(operator.is_, keys, gen_ids))
+             else dict(zip(request_ids, range(len(request_ids)))))
+    fast = _plain_lists(new_tokens, keys, index, accepted, num_contexts)
     if fast is not None:
         return fast
-    index = dict(zip(request_ids, range(len(request_ids))))
+    if index is None:
+        index = dict(zip(request_ids, range(len(request_ids))))
     counts = accepted.tolist()
     entries, lists = [], []
     for rid, toks in new_tokens.items():
@@ -225,22 +232,21 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
         entries.append(i)
         lists.append(toks)
     entries = np.array(entries, np.int64)
-    return _in_batch_order(entries, lists, accepted[entries])
+    entries, offsets, flat = _in_batch_order(entries, lists, accepted[entries])
+    return Reported(entries, offsets, np.array(flat, np.int64))
 
 
-def _plain_lists(new_tokens: Mapping, request_ids: Sequence, accepted: np.ndarray, num_contexts: int
-                 ) -> Optional[Reported]:
+def _plain_lists(new_tokens: Mapping, keys: list, index: Optional[dict], accepted: np.ndarray,
+                 num_contexts: int) -> Optional[Reported]:
     """generation_tokens' mapping of the usual kind, with C-speed checks: every key a generation entry's
-    request id, every value a list of as many Python ints as the entry accepted, each in int64. None
-    for anything else (generation_tokens then checks entry by entry and says what is wrong)."""
+    request id, every value a list of as many Python ints as the entry accepted, each in int64. keys: the
+    mapping's; index: the step's request ids -> batch positions, None when the keys are the generation
+    entries' ids in batch order. None for anything else (generation_tokens then checks entry by entry and
+    says what is wrong)."""
     lists = list(new_tokens.values())
-    keys, gen_ids = list(new_tokens), request_ids[num_contexts:]
-    # The generation entries' own ids, in batch order (a mapping built by walking the batch): a dict lookup
-    # would find each at its place (identity, not ==: an equal key of another type need not hash alike).
-    if len(keys) == len(gen_ids) and all(map(operator.is_, keys, gen_ids)):
-        entries = np.arange(num_contexts, len(request_ids), dtype=np.int64)
+    if index is None:
+        entries = np.arange(num_contexts, num_contexts + len(keys), dtype=np.int64)
     else:
-        index = dict(zip(request_ids, range(len(request_ids))))
         try:
             entries = np.fromiter(map(index.get, keys, itertools.repeat(-1)), np.int64, len(lists))
         except TypeError:       # an unhashable key
@@ -250,24 +256,22 @@ def _plain_lists(new_tokens: Mapping, request_ids: Sequence, accepted: np.ndarra
     counts = accepted[entries]
     if list(map(len, lists)) != counts.tolist():
         return None
+    entries, offsets, flat = _in_batch_order(entries, lists, counts)
+    if not set(map(type, flat)) <= {int}:
+        return None
     try:
-        return _in_batch_order(entries, lists, counts, checked=False)
+        return Reported(entries, offsets, np.array(flat, np.int64))
     except OverflowError:
         return None
 
 
-def _in_batch_order(entries: np.ndarray, lists: List[List[int]], counts: np.ndarray,
-                    checked: bool = True) -> Optional[Reported]:
-    """Reported from distinct generation entries (int64 [n], any order), each one's tokens, and how many
-    (int64 [n]). A mapping built in batch order (the usual one) is taken as it is. checked: every token is
-    known to be an int (else None when one is not; OverflowError when one does not fit int64)."""
+def _in_batch_order(entries: np.ndarray, lists: List[list], counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray, list]:
+    """Distinct generation entries (int64 [n], any order), each one's tokens and how many (int64 [n]) in
+    batch order: (entries, offsets int64 [n + 1], the tokens as one list). A mapping built in batch order
+    (the usual one) is taken as it is."""
     if len(entries) > 1 and not (entries[1:] > entries[:-1]).all():
         order = np.argsort(entries, kind="stable")
         entries, counts, lists = entries[order], counts[order], [lists[j] for j in order.tolist()]
-    flat = list(itertools.chain.from_iterable(lists))
-    if not checked and not set(map(type, flat)) <= {int}:
-        return None
     offsets = np.zeros(len(entries) + 1, np.int64)
     counts.cumsum(out=offsets[1:])
-    return Reported(entries, offsets, np.array(flat, np.int64))
-
+    return entries, offsets, list(itertools.chain.from_iterable(lists))

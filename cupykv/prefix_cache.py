@@ -277,16 +277,17 @@ class PrefixCache:
         tpb, held, starts, tokens = self.tpb, self.tail_len[rows], reported.offsets[:-1], reported.tokens
         counts = reported.offsets[1:] - starts
         grown = held + counts
-        if len(tokens) == len(rows) and (counts == 1).all() and use.all():
-            # A decode step's one token for each entry, every row's tokens known: entry j's token is tokens[j],
-            # and it fits (a tail is hashed as soon as it fills, so tail_len < tpb), so no mask is needed.
+        one_each = len(tokens) == len(rows) and (counts == 1).all()     # entry j's token is tokens[j]
+        if one_each and use.all():
+            # A decode step's one token for each entry, every row's tokens known: each token fits (a tail is
+            # hashed as soon as it fills, so tail_len < tpb), so no mask is needed.
             self.tail_tokens.reshape(-1)[rows * tpb + held] = tokens
             self.tail_len[rows] = grown
             filled, past = rows[grown == tpb], ()
         else:
             fits = use & (grown <= tpb)
             # every token's flat place in tail_tokens, as if it were taken (the mask keeps the ones that are)
-            if len(tokens) == len(rows) and (counts == 1).all():      # one token each: entry j's is tokens[j]
+            if one_each:
                 place, mask = rows * tpb + held, fits
             else:
                 place = np.repeat(rows * tpb + held - starts, counts) + np.arange(len(tokens))
