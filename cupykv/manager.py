@@ -168,7 +168,8 @@ class KVCacheManager:
         try:
             self.pools = [(CachingSlotPool if spec.prefix_caching else SlotPool)(n)
                           for n in lay.allocatable_slots]
-            self.cache = PrefixCache(lay, self.pools, spec.prefix_retention) if spec.prefix_caching else None
+            self.cache = (PrefixCache(lay, self.pools, spec.prefix_retention, spec.prefix_events)
+                          if spec.prefix_caching else None)
             self.page_table = PageTable(be, P, rows, B)
             self.ledger = StepLedger(self.pools, float(staging_timeout_s))
             self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
@@ -702,8 +703,12 @@ class KVCacheManager:
 
     def drain_cache_events(self) -> List[Tuple[str, int, bytes]]:
         """The blocks stored in and removed from the prefix cache since the last call, in order:
-        ("stored" | "removed", group, block hash (16 bytes)). Empty without prefix caching."""
-        return self.cache.drain_events() if self.cache is not None else []
+        ("stored" | "removed", group, block hash (16 bytes)). Needs CacheSpec(prefix_caching=True,
+        prefix_events=True): the manager keeps the events until they are drained."""
+        if not self.spec.prefix_events:
+            raise InvalidRequestError("drain_cache_events: the prefix cache records no events; make the manager with "
+                                      "CacheSpec(..., prefix_caching=True, prefix_events=True) and drain them regularly")
+        return self.cache.drain_events()
 
     def verify_mirror(self) -> None:
         """Debug: wait for the manager stream and check the device mirror against the host table."""

@@ -49,6 +49,10 @@ def _h(first: bytes, *rest) -> bytes:
     return h.digest()
 
 
+def _ignore(event: tuple) -> None:
+    """An event nobody records (CacheSpec.prefix_events off)."""
+
+
 @dataclass
 class CachedSeq:
     """What the cache knows of one request: its tokens, their block hashes, its boundaries."""
@@ -66,7 +70,7 @@ class CachedSeq:
 class PrefixCache:
     """Hash maps per group, the cached sequences by table row, statistics and events."""
 
-    def __init__(self, layout: Layout, pools: Sequence, retention: str = "boundaries"):
+    def __init__(self, layout: Layout, pools: Sequence, retention: str = "boundaries", events: bool = False):
         self.layout = layout
         self.groups: Tuple[LayerGroup, ...] = layout.groups
         self.tpb = layout.tpb
@@ -87,7 +91,10 @@ class PrefixCache:
         # (one array for all rows, so a step's reported tokens are appended in a few numpy operations)
         self.tail_tokens = np.zeros((layout.spec.max_batch, self.tpb), "<i8")     # hashed as little-endian int64
         self.tail_len = np.zeros(layout.spec.max_batch, np.int64)
-        self.events: List[Tuple[str, int, bytes]] = []
+        # (kind, group, hash) of every block stored or removed, kept until drained; None: not recorded
+        # (CacheSpec.prefix_events: only a caller that drains them should keep them)
+        self.events: Optional[List[Tuple[str, int, bytes]]] = [] if events else None
+        self._event = self.events.append if events else _ignore
         self.queries = self.query_tokens = self.hit_tokens = 0
         self.host = None                                  # a HostTier taking evicted blocks (attach_host)
         self.host_by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
@@ -177,9 +184,9 @@ class PrefixCache:
             if hs is None and self.host_hash_of[p]:            # make way: the least recently cached goes
                 hs, old = self.host_hash_of[p].popitem(last=False)
                 del self.host_by_hash[p][old]
-                self.events.append((REMOVED, p, old))
+                self._event((REMOVED, p, old))
             if hs is None:
-                self.events.append((REMOVED, p, h))
+                self._event((REMOVED, p, h))
                 continue
             self.host_by_hash[p][h], self.host_hash_of[p][hs] = hs, h
             moves.append((s, hs))
@@ -224,7 +231,7 @@ class PrefixCache:
         """The least recently cached host block of group p leaves the cache; returns its host slot."""
         hs, h = self.host_hash_of[p].popitem(last=False)
         del self.host_by_hash[p][h]
-        self.events.append((REMOVED, p, h))
+        self._event((REMOVED, p, h))
         return hs
 
     def spill_events(self) -> list:
@@ -326,7 +333,7 @@ class PrefixCache:
                         named[p].append(slot)
                         hs = host.pop(h, None)
                         if hs is None:
-                            self.events.append((STORED, p, h))
+                            self._event((STORED, p, h))
                         else:       # computed again while cached on the host: the device copy takes its place
                             del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                             self.host.release_cache_slot(p, hs)
@@ -464,11 +471,13 @@ class PrefixCache:
             if h is not None:
                 del self.by_hash[p][h]
                 self.kept[p].discard(h)
-                self.events.append((REMOVED, p, h))
+                self._event((REMOVED, p, h))
 
     # -- introspection ---------------------------------------------------------------------------
     def drain_events(self) -> List[Tuple[str, int, bytes]]:
+        """The events recorded since the last drain (the cache records them: events=True)."""
         events, self.events = self.events, []
+        self._event = self.events.append
         return events
 
     def stats(self) -> dict:
@@ -480,7 +489,7 @@ class PrefixCache:
     def state(self) -> tuple:
         seqs = tuple((row, s.salt, tuple(self.tail_tokens[row, :self.tail_len[row]].tolist()), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,
                       bool(self.complete[row]), s.published, tuple(s.margin)) for row, s in sorted(self.seqs.items()))
-        return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, len(self.events),
+        return (tuple(tuple(sorted(t.items())) for t in self.by_hash), seqs, None if self.events is None else len(self.events),
                 tuple(tuple(sorted(k)) for k in self.kept),
                 tuple(tuple(t.items()) for t in self.host_hash_of),
                 self.queries, self.query_tokens, self.hit_tokens)

@@ -63,6 +63,9 @@ class CacheSpec:
     prefix_caching: reuse the KV of full blocks shared with earlier requests (add(..., tokens=...)).
     prefix_retention: which out-of-window blocks of sliding-window groups stay cached: "boundaries"
         (the windows of the prompt end, chunk ends, checkpoints and the request's end) or "all".
+    prefix_events: record every block the prefix cache stores or removes for
+        KVCacheManager.drain_cache_events (a router's view of the cache). They are kept until drained, so
+        an engine that records them drains them regularly; off, nothing is kept. Needs prefix_caching.
 
     Counts may be Python or numpy integers, or 0-d numpy integer arrays (never bools or floats); the spec
     holds them as Python ints, and windows, and sink_tokens and slots_per_group given per layer or group, as
@@ -86,6 +89,7 @@ class CacheSpec:
     null_slot: bool = False
     prefix_caching: bool = False
     prefix_retention: str = "boundaries"
+    prefix_events: bool = False
     windows_tuple: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,9 +128,11 @@ class CacheSpec:
                   f"the default max_step_tokens, 8192 + max_batch x (1 + max_rewind) = {self.step_token_capacity} "
                   f"with max_batch={self.max_batch}, passes {INT32_MAX}; lower them or give max_step_tokens")
         _choice("table_mode", self.table_mode, TABLE_MODES)
-        for name in ("swa_scratch_reuse", "prefix_caching", "null_slot"):
+        for name in ("swa_scratch_reuse", "prefix_caching", "null_slot", "prefix_events"):
             put(name, as_flag(getattr(self, name), f"CacheSpec.{name}", InvalidSpecError))
         _choice("prefix_retention", self.prefix_retention, PREFIX_RETENTIONS)
+        if self.prefix_events and not self.prefix_caching:
+            _fail("prefix_events", self.prefix_events, "records the prefix cache's events: it needs prefix_caching=True")
         if self.table_mode == "shared" and self.swa_scratch_reuse and any(w is not None for w in windows):
             _fail("swa_scratch_reuse", self.swa_scratch_reuse,
                   "scratch pages alias across layers, which SHARED tables cannot express; "

@@ -1009,7 +1009,7 @@ def test_numpy_manager_options_work():
 # prefix caching: add(tokens=, cache_salt=, checkpoints=) and settle(new_tokens=)
 # --------------------------------------------------------------------------------------------------
 def cached_mgr(**kw):
-    return make_mgr(prefix_caching=True, **kw)
+    return make_mgr(prefix_caching=True, prefix_events=True, **kw)
 
 
 def cached_prefill(mgr, rid, tokens):
@@ -1183,10 +1183,44 @@ def test_new_tokens_of_a_freed_request_are_accepted_and_ignored(form):
 
 @pytest.mark.parametrize("field,value", [("prefix_caching", "yes"), ("prefix_caching", 1),
                                          ("prefix_retention", "some"), ("prefix_retention", None),
-                                         ("prefix_retention", 3)])
+                                         ("prefix_retention", 3), ("prefix_events", "yes"),
+                                         ("prefix_events", 1)])
 def test_bad_prefix_spec_fields(field, value):
-    kw = dict(SPEC, prefix_caching=True)
+    kw = dict(SPEC, prefix_caching=True, prefix_events=True)
     kw[field] = value
     with pytest.raises(InvalidSpecError) as ei:
         CacheSpec(**kw)
     assert field in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
+
+
+def test_prefix_events_need_prefix_caching():
+    with pytest.raises(InvalidSpecError) as ei:
+        CacheSpec(**dict(SPEC, prefix_events=True))
+    assert "prefix_events" in str(ei.value) and "prefix_caching=True" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_draining_cache_events_that_are_not_recorded_is_an_error(caching):
+    mgr = make_mgr(prefix_caching=caching)
+    if caching:
+        cached_prefill(mgr, "A", PROMPT)        # blocks stored: events a recording manager would keep
+    expect_fail(mgr, InvalidRequestError, ["drain_cache_events", "prefix_events=True"], mgr.drain_cache_events)
+
+
+def test_cache_events_off_keep_nothing_and_decide_the_same():
+    """A manager that records no events keeps none (nothing grows until a drain that never comes) and
+    makes the same decisions as one that records them."""
+    on, off = cached_mgr(), make_mgr(prefix_caching=True)
+    for mgr in (on, off):
+        cached_prefill(mgr, "A", PROMPT)
+        mgr.free("A")
+        hit = mgr.add("B", len(PROMPT), tokens=PROMPT)
+        assert hit > 0                          # A's blocks
+        run_step(mgr, contexts={"B": len(PROMPT) - hit})
+        mgr.synchronize()
+    kinds = {kind for kind, _, _ in on.drain_cache_events()}
+    assert "stored" in kinds, kinds
+    assert off.cache.events is None
+    assert on.stats() == off.stats()
+    assert on.page_table.state() == off.page_table.state()
+    assert [p.state() for p in on.pools] == [p.state() for p in off.pools]

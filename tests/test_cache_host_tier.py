@@ -20,7 +20,7 @@ def kv_value(token: np.ndarray, pos: np.ndarray, layer: int, role: int) -> np.nd
 
 def make(backend_name):
     spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=256,
-                            max_batch=4, slots_per_group=[12, 12], prefix_caching=True, swa_scratch_reuse=False,
+                            max_batch=4, slots_per_group=[12, 12], prefix_caching=True, prefix_events=True, swa_scratch_reuse=False,
                             dtype="float32")
     mgr = cupykv.KVCacheManager(spec, backend=backend_name)
     storage = KVStorage(mgr, host_tier_bytes=1 << 20)
@@ -135,7 +135,7 @@ def test_a_block_computed_again_while_cached_on_the_host(backend_name):
     no second "stored" event), and later evictions, hits and KV stay right (before, the hash was named on
     both, a second eviction left the host maps disagreeing, and a later allocation raised KeyError)."""
     spec = cupykv.CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=128,
-                            max_batch=4, slots_per_group=4, prefix_caching=True, prefix_retention="all",
+                            max_batch=4, slots_per_group=4, prefix_caching=True, prefix_events=True, prefix_retention="all",
                             dtype="float32")
     mgr = cupykv.KVCacheManager(spec, backend=backend_name)
     storage = KVStorage(mgr, host_tier_bytes=8 * (2 * TPB * 4 * 4))   # 8 host slots (K and V, 4 fp32 a token)

@@ -96,7 +96,7 @@ class Rig:
         self.spec = cupykv.CacheSpec(windows=windows, num_kv_heads=H, head_dim=D, dtype="float32",
                                      tokens_per_block=TPB, max_seq_len=max_seq_len, max_batch=max_batch,
                                      slots_per_group=slots, sink_tokens=sinks, swa_scratch_reuse=scratch,
-                                     prefix_caching=caching, prefix_retention=retention)
+                                     prefix_caching=caching, prefix_events=caching, prefix_retention=retention)
         self.caching = caching
         self.mgr = cupykv.KVCacheManager(self.spec, backend=backend)
         self.be = self.mgr.backend

@@ -31,7 +31,7 @@ class Harness:
 
     def __init__(self, backend_name, staging_timeout_s=10.0, **kw):
         spec = dict(windows=[W, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB, max_seq_len=256,
-                    max_batch=6, slots_per_group=64, prefix_caching=True)
+                    max_batch=6, slots_per_group=64, prefix_caching=True, prefix_events=True)
         spec.update(kw)
         self.mgr = cupykv.KVCacheManager(cupykv.CacheSpec(**spec), backend=backend_name,
                                          staging_timeout_s=staging_timeout_s)
@@ -263,7 +263,7 @@ def test_salts_keep_requests_apart(harness):
 
 def test_hashes_of_salted_and_unsalted_blocks_differ():
     spec = cupykv.CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, tokens_per_block=4, max_seq_len=64,
-                            max_batch=4, slots_per_group=32, prefix_caching=True)
+                            max_batch=4, slots_per_group=32, prefix_caching=True, prefix_events=True)
     got = {}
     for salt in (None, "x", b"y"):
         mgr = cupykv.KVCacheManager(spec, backend="host")
@@ -645,7 +645,7 @@ print(repr(workload_hashes({windows!r}, {slots!r})))
 def workload_hashes(windows=(32, None), slots=64):
     """The hashes a fixed workload stores, in order."""
     spec = cupykv.CacheSpec(windows=list(windows), num_kv_heads=1, head_dim=4, tokens_per_block=8,
-                            max_seq_len=128, max_batch=2, slots_per_group=slots, prefix_caching=True)
+                            max_seq_len=128, max_batch=2, slots_per_group=slots, prefix_caching=True, prefix_events=True)
     mgr = cupykv.KVCacheManager(spec, backend="host")
     mgr.add("A", 50, tokens=toks(120, 50), cache_salt="s")
     s = mgr.prepare_batch({"A": 50})
@@ -681,7 +681,7 @@ def test_lookup_against_the_hit_rule_over_random_cache_contents():
     for sinks in (0, TPB, 2 * TPB):
         mgr = cupykv.KVCacheManager(cupykv.CacheSpec(
             windows=[W, None, 2 * W], sink_tokens=sinks, num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
-            max_seq_len=256, max_batch=2, slots_per_group=64, prefix_caching=True), backend="host")
+            max_seq_len=256, max_batch=2, slots_per_group=64, prefix_caching=True, prefix_events=True), backend="host")
         pc, groups = mgr.cache, mgr.layout.groups
         hashes = [bytes([i]) * 16 for i in range(24)]
         for _ in range(300):

@@ -88,7 +88,7 @@ class Rig:
     def __init__(self, backend_name: str):
         spec = cupykv.CacheSpec(windows=WINDOWS, num_kv_heads=H, head_dim=D, tokens_per_block=TPB,
                                 max_seq_len=64, max_batch=8, slots_per_group=SLOTS, dtype="float32",
-                                prefix_caching=True)
+                                prefix_caching=True, prefix_events=True)
         # A host wait for slots that a gated step holds gives up after staging_timeout_s on the GPU (the
         # host backend knows at once that the gate holds it); it bounds the test, it is not measured.
         self.mgr = mgr = cupykv.KVCacheManager(spec, backend=backend_name, staging_timeout_s=0.25)

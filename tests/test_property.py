@@ -224,7 +224,7 @@ class PrefixMachine(ManagerMachine):
                                      max_seq_len=256, max_batch=6, slots_per_group=slots, max_rewind=rewind,
                                      swa_scratch_reuse=scratch and not shared, sink_tokens=sinks,
                                      table_mode="shared" if shared else "per_layer",
-                                     prefix_caching=True, prefix_retention=retention)
+                                     prefix_caching=True, prefix_events=True, prefix_retention=retention)
         self.mgr = cupykv.KVCacheManager(self.spec, backend="host", use_graphs=graphs, steady_batch_delta=delta)
         self.tw = PrefixModelled(self.mgr)
         self.model = self.tw.model
