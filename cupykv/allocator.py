@@ -200,7 +200,7 @@ class CachingSlotPool(SlotPool):
         else:
             np.subtract.at(self.refs, slots, 1)
         last = slots[self.refs[slots] == 0]
-        last = _distinct(last)              # two holders may let go at once
+        last = np.sort(last) if once else _distinct(last)      # two holders may let go at once
         if len(last):
             self.qtag[last] = tag
             self._enter_quarantine(last.astype(np.int32, copy=False), tag)

@@ -620,11 +620,10 @@ class KVCacheManager:
             done = stale_done[rows]
             moved = (end > done).nonzero()[0]
             if len(moved):
-                r, hi = rows[moved], end[moved]
+                r, lo, hi = rows[moved], done[moved], end[moved]
+                count = hi - lo
+                longest = count.max()
                 if self.cache is None:
-                    lo = done[moved]
-                    count = hi - lo
-                    longest = count.max()
                     # A long chunk's settle clears each long range as one (a decode step's rows release a block
                     # or two), unless the group reuses scratch: then most of such a range is scratch blocks that
                     # never held a slot, and cells cost less.
@@ -638,13 +637,14 @@ class KVCacheManager:
                         pair_rows, blocks = _range_pairs(r, lo, count, longest)
                     self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag)
                 else:       # blocks outside every retained window leave the cache once nobody holds them
-                    pair_rows, blocks = _expand_ranges(r, done[moved], hi)
+                    pair_rows, blocks = _range_pairs(r, lo, count, longest)
                     cells = self.page_table.cells(g.index, pair_rows, blocks)
-                    drop = self.cache.leaving(g, r.tolist(), np.cumsum(hi - done[moved]).tolist(), blocks.tolist(),
+                    drop = self.cache.leaving(g, r.tolist(), count.cumsum().tolist(), blocks.tolist(),
                                               self.page_table.flat[cells].tolist())   # each row's blocks in order
                     self._release(g.index, cells, tag)
-                    drop = np.array(drop, np.int32)
-                    self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
+                    if drop:
+                        drop = np.array(drop, np.int32)
+                        self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
                 stale_done[r] = hi
 
     # -- slots -------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ class PrefixCache:
         them (least recently cached host blocks make way), else they leave the cache. Relies on a hash
         being named in at most one of by_hash[p] and host_by_hash[p] (publish and bring_back keep it so)."""
         if self.host is None:
-            self._forget(p, slots)
+            self._forget(p, slots.tolist())
             return
         moves = []
         for s in np.asarray(slots).tolist():
@@ -465,8 +465,8 @@ class PrefixCache:
             self.pools[p].unname(np.array(named, np.int32))
             self._forget(p, named)
 
-    def _forget(self, p: int, slots) -> None:
-        for s in np.asarray(slots).tolist():
+    def _forget(self, p: int, slots: List[int]) -> None:
+        for s in slots:
             h = self.hash_of[p].pop(s, None)
             if h is not None:
                 del self.by_hash[p][h]
