@@ -211,12 +211,12 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
     # would find each at its place (identity, not ==: an equal key of another type need not hash alike).
     gen_ids = request_ids[num_contexts:]
     index = (None if len(keys) == len(gen_ids) and all(map(operator.is_, keys, gen_ids))
-             else dict(zip(request_ids, range(len(request_ids)))))
+             else _batch_positions(request_ids))
     fast = _plain_lists(new_tokens, keys, index, accepted, num_contexts)
     if fast is not None:
         return fast
     if index is None:
-        index = dict(zip(request_ids, range(len(request_ids))))
+        index = _batch_positions(request_ids)
     counts = accepted.tolist()
     entries, lists = [], []
     for rid, toks in new_tokens.items():
@@ -234,6 +234,11 @@ def generation_tokens(new_tokens, request_ids: Sequence, accepted: np.ndarray, n
     entries = np.array(entries, np.int64)
     entries, offsets, flat = _in_batch_order(entries, lists, accepted[entries])
     return Reported(entries, offsets, np.array(flat, np.int64))
+
+
+def _batch_positions(request_ids: Sequence) -> dict:
+    """The step's request ids -> their batch positions."""
+    return dict(zip(request_ids, range(len(request_ids))))
 
 
 def _plain_lists(new_tokens: Mapping, keys: list, index: Optional[dict], accepted: np.ndarray,

@@ -174,7 +174,7 @@ class PrefixCache:
             self._forget(p, slots.tolist())
             return
         moves = []
-        for s in np.asarray(slots).tolist():
+        for s in slots.tolist():
             h = self.hash_of[p].pop(s, None)
             if h is None:
                 continue
@@ -476,8 +476,8 @@ class PrefixCache:
     # -- introspection ---------------------------------------------------------------------------
     def drain_events(self) -> List[Tuple[str, int, bytes]]:
         """The events recorded since the last drain (the cache records them: events=True)."""
-        events, self.events = self.events, []
-        self._event = self.events.append
+        events = self.events.copy()     # (the list itself stays: _event appends to it)
+        self.events.clear()
         return events
 
     def stats(self) -> dict:

@@ -118,8 +118,8 @@ def main():
         workload_steps(trees, option("--seq", 131072), option("--contexts", 0), steps, backend, "--shared" in args)
         return
     batches = [int(b) for b in positional] or [1, 256]
+    prefix = "--prefix" in args
     for batch in batches:
-        prefix = "--prefix" in args
         managers = {label: prefilled(kv, batch, backend, prefix) for label, kv in trees.items()}
         rids = list(range(batch))
         times = {label: ([], []) for label in managers}
