@@ -24,8 +24,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .layout import BAD, NO_INDEX, Layout
-from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, MODE_DELTA, MODE_FULL, SnapshotRing, graph_buckets,
-                      pack_snapshot, pow2_buckets, snapshot_words)
+from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, H_OFF_START_POS, H_STEP, MODE_DELTA, MODE_FULL, SnapshotRing,
+                      graph_buckets, pack_snapshot, pow2_buckets, snapshot_words)
 from .entries import EntryMap, most_rebuilt
 from .step import DevicePart, Step, StepOutputs
 
@@ -51,6 +51,35 @@ def _after_failure(backend):
         return backend.record(backend.stream)
     except Exception:       # noqa: BLE001  (the stream is broken: nothing recorded will ever complete)
         return _NeverDone()
+
+
+class _QuietSnapshot:
+    """The snapshot of a quiet step: a DELTA step of a generation list that changed no table cell and
+    rebuilt no entry. The next step of the very same list (the same validated rows and token counts, the
+    same padding) that changes no cell either has the same snapshot but for its id and start positions,
+    so it copies this one and writes those two (the entry map does not move: EntryMap.unchanged).
+    The pipeline owns it and drops it at every launch (_enqueue keeps it, or makes a new one, only for a
+    quiet step)."""
+
+    __slots__ = ("host", "words", "rows", "tokens", "pad_to", "_starts")
+
+    def __init__(self, host: np.ndarray, words: int, step: Step):
+        self.host, self.words = host, words
+        self.rows, self.tokens, self.pad_to = step.rows, step.num_tokens, step.pad_to
+        self._starts = int(host[H_OFF_START_POS])
+
+    def follows(self, step: Step) -> bool:
+        """Whether `step` schedules what this snapshot's step did (its list's arrays are shared)."""
+        return step.rows is self.rows and step.num_tokens is self.tokens and step.pad_to == self.pad_to
+
+    def repack(self, buf: np.ndarray, step: Step) -> int:
+        """Write `step`'s snapshot into `buf` (a ring slot); returns its words. buf then holds the template."""
+        if buf is not self.host:
+            buf[:self.words] = self.host[:self.words]
+            self.host = buf
+        buf[H_STEP] = step.id & 0x7FFFFFFF
+        buf[self._starts:self._starts + len(self.rows)] = step.start_positions
+        return self.words
 
 
 class KernelConsts:
@@ -124,6 +153,7 @@ class StepPipeline:
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
         self._cu_of, self._cu = None, None      # _cu_tokens' last token array and its result
+        self._quiet: Optional[_QuietSnapshot] = None     # the last step's snapshot, if a quiet step's
 
     # Device 0's buffers (the only ones of a one-device manager).
     consts = property(lambda self: self.mirrors[0].consts)
@@ -167,16 +197,24 @@ class StepPipeline:
         return self._cu
 
     def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
-        rebuilt, held = self._entries(step, allow_delta)
-        step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
-        words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
-                              step.scratch_slots, cells, values, cu_tokens, step.start_positions, mode=step.mode,
-                              pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared, written=written)
-        # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
-        num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
-        # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
-        # bucket cover one at least), or the rebuilt ones
-        entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
+        quiet, self._quiet = self._quiet, None
+        if (quiet is not None and allow_delta and quiet.follows(step) and not len(cells) and cleared is None
+                and written is None):
+            step.mode, words, num_cells, entries = MODE_DELTA, quiet.repack(slot.host, step), 0, 0
+        else:
+            rebuilt, held = self._entries(step, allow_delta)
+            step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
+            words = pack_snapshot(slot.host, step.id, step.rows, step.scratch_begs, step.scratch_ends,
+                                  step.scratch_slots, cells, values, cu_tokens, step.start_positions,
+                                  mode=step.mode, pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared,
+                                  written=written)
+            # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
+            num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
+            # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
+            # bucket cover one at least), or the rebuilt ones
+            entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
+            quiet = (_QuietSnapshot(slot.host, words, step)
+                     if step.mode == MODE_DELTA and not entries and not num_cells and step.num_contexts == 0 else None)
         tokens = int(cu_tokens[-1])
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
@@ -196,6 +234,7 @@ class StepPipeline:
                 raise
             h2d_words += plan.h2d_words(words, graph)
         self.h2d_bytes_last_step = h2d_words * 4
+        self._quiet = quiet
 
     def capture_graphs(self) -> int:
         """Capture now every step graph the ring slots can need on every device (CUDA backend with

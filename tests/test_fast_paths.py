@@ -791,3 +791,67 @@ def test_ranges_across_features(monkeypatch):
         for c in caps:
             assert c.mismatches() == [], seed
     assert seen["ranges"] > 100 and seen["expanded"] > 20, seen
+
+
+# -- quiet steps: the last snapshot repacked ------------------------------------------------------------
+
+@pytest.mark.parametrize("ring_slots", [1, 4])
+def test_quiet_steps_repack_what_the_general_pack_packs(backend_name, ring_slots, monkeypatch):
+    """A decode step of the previous step's very list that changes no table cell (a quiet step) copies the
+    previous quiet step's snapshot and writes its id and start positions (pipeline._QuietSnapshot). Every
+    such snapshot must be the bytes pack_snapshot gives for the step, and every step's tables and write
+    positions the reference's, across block openings, window releases, another list now and then, a
+    change of padding or of tokens per entry, a failed launch, frees and adds outside the list. With one
+    ring slot, every step writes the slot that holds the template."""
+    from cupykv import pipeline
+    spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
+                            max_seq_len=4096, max_batch=6, slots_per_group=600, max_rewind=2)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=ring_slots)
+    cap = Capture(mgr, write_positions=True)
+    repacked, repack = [], pipeline._QuietSnapshot.repack
+
+    def checked(self, buf, step):
+        words = repack(self, buf, step)
+        rebuilt, held = mgr.pipeline.entries.unchanged(step.rows, step.pad_to)
+        want = np.zeros(words + 64, np.int32)
+        n = staging.pack_snapshot(want, step.id, step.rows, step.scratch_begs, step.scratch_ends,
+                                  step.scratch_slots, staging.NO_INDEX, staging.NO_INDEX,
+                                  np.concatenate(([0], np.cumsum(step.num_tokens))), step.start_positions,
+                                  mode=staging.MODE_DELTA, pad_to=step.pad_to, rebuilt=rebuilt, held=held)
+        repacked.append((n == words and np.array_equal(buf[:words], want[:n]), step.id))
+        return words
+    monkeypatch.setattr(pipeline._QuietSnapshot, "repack", checked)
+    rng = np.random.default_rng(ring_slots)
+    for r, n in (("a", 21), ("b", 40), ("c", 9)):
+        mgr.add(r, n)
+    s = mgr.prepare_batch({"a": 21, "b": 40, "c": 9})
+    cap.consume(s)
+    mgr.settle(s)
+    ids, k, pad, other = ["a"], 1, None, 0
+    for it in range(400):
+        if it % 50 == 49:
+            ids = ["a", "b"] if len(ids) == 1 else ["a"]        # another list from now on
+        if it % 37 == 36:
+            k = 2 if k == 1 else 1
+        if it % 61 == 60:
+            pad = 4 if pad is None else None
+        if it % 23 == 22:       # a request outside the list comes and goes
+            mgr.add(f"x{other}", 5)
+            s = mgr.prepare_batch({f"x{other}": 5})
+            cap.consume(s)
+            mgr.settle(s)
+            mgr.free(f"x{other}")
+            other += 1
+        if it == 200 and backend_name == "host":
+            prepare_with_a_failed_build(monkeypatch, mgr, (), ids, k, pad)
+            mgr.synchronize()
+        gen = ids if it % 29 != 28 else ["c"]                   # one step of another list
+        s = mgr.prepare_batch((), gen, num_gen_tokens=k, pad_to=pad)
+        cap.consume(s)
+        mgr.settle(s, None if it % 13 else [int(rng.integers(0, k + 1)) for _ in gen])
+        if ring_slots == 1:     # the slot's copy done: the ring keeps its one slot, which every step writes
+            mgr.synchronize()
+    mgr.synchronize()
+    assert cap.mismatches() == []
+    bad = [i for ok, i in repacked if not ok]
+    assert len(repacked) > 100 and not bad, (len(repacked), bad[:5])
