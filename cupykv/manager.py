@@ -342,7 +342,36 @@ class KVCacheManager:
         gen_ids = request_ids(generation)
         k = as_count(num_gen_tokens, "num_gen_tokens", minimum=1, maximum=self.spec.max_seq_len)
         pad = None if pad_to is None else as_count(pad_to, "pad_to")   # its range once the entries are known
-        return self._commit(self._plan(ctx_items, gen_ids, k, pad))
+        plan = None if ctx_items else self._plan_in_room(gen_ids, k, pad)
+        return self._commit(plan if plan is not None else self._plan(ctx_items, gen_ids, k, pad))
+
+    def _plan_in_room(self, gen_ids: list, k: int, pad_to: Optional[int]) -> Optional[_Plan]:
+        """The plan of a decode step of the validated list (GenBatch) the last steps scheduled, when its k
+        tokens an entry fit the list's room (no entry opens a block or passes max_seq_len): most steps of a
+        small batch. Such a step takes no slot, so it needs none of _plan's counting. None for any other
+        step, and for one that _plan would refuse (it raises the error) or whose in-flight steps it would
+        wait for."""
+        reqs, ledger, spec = self.requests, self.ledger, self.spec
+        gen, latest = reqs.last_generation, ledger.latest
+        if (gen is None or not gen.matches(gen_ids, reqs.moves) or not gen.has_room(k, reqs.cap_writes)
+                or (latest is not None and not latest.is_finished())
+                or ledger.num_steps_in_flight() >= self.max_steps_in_flight):
+            return None
+        n = len(gen.rows)
+        live = n if pad_to is None else pad_to
+        if not n <= live <= spec.max_batch or k * n > spec.step_token_capacity:
+            return None
+        cap = reqs.cap[gen.rows]
+        words = self._snapshot_bound(n, 0, 0, self.page_table.num_logged(), live)
+        return _Plan([], [], [], self._no_chunks, gen_ids, gen, cap, cap + gen.tokens_for(k), gen.longest + k,
+                     NO_INDEX, NO_INDEX, gen.room - k, True, False, k, 0, 0 if pad_to is None else pad_to,
+                     self.pipeline.acquire(words))
+
+    def _snapshot_bound(self, num_seqs: int, num_contexts: int, scratch_width: int, cells: int, live: int) -> int:
+        """The most words a step's snapshot can take: every changed cell a run of its own, the most entries
+        a DELTA step rebuilds, every entry past the `live` ones (the batch and its padding) held."""
+        return snapshot_words(num_seqs, num_contexts, self.layout.num_groups, scratch_width, cells, cells,
+                              most_rebuilt(live), self.spec.max_batch - live)
 
     def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: Optional[int]) -> _Plan:
         """Validate a step and work out what it needs; changes no state but the validated-list cache.
@@ -395,7 +424,6 @@ class KVCacheManager:
         decode = gen is not None and not ctx_rows
         known = decode and gen.knows(reqs.cap_writes)
         keeps_room = decode and len(gen_rows) * k < lay.tpb
-        in_room = keeps_room and gen.has_room(k, reqs.cap_writes)
         longest = gen.longest + k if known else (int(end.max()) if len(end) else 0)
         if longest > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
@@ -405,28 +433,23 @@ class KVCacheManager:
         if total_tokens > spec.step_token_capacity:
             raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
                                         f"{spec.step_token_capacity}")
-        room, phased = -1, None
-        if in_room:
-            new_rows = new_blocks = NO_INDEX
-            room = gen.room - k
+        # The blocks the generation tokens open: the same in every group (generation is never scratch).
+        # (A step within the list's room opens none: _plan_in_room planned it.)
+        g = lay.groups[0]
+        phased = gen.openings(k, cap, g) if known and not keeps_room else None
+        if phased is not None:      # k divides tpb: at most one block an entry, every tpb / k steps
+            opened, new_rows = phased
+            new_blocks = g.new_blocks(cap[opened], 0)[0] if len(opened) else NO_INDEX
         else:
-            # The blocks the generation tokens open: the same in every group (generation is never scratch).
-            g = lay.groups[0]
-            phased = gen.openings(k, cap, g) if known and not keeps_room else None
-            if phased is not None:      # k divides tpb: at most one block an entry, every tpb / k steps
-                opened, new_rows = phased
-                new_blocks = g.new_blocks(cap[opened], 0)[0] if len(opened) else NO_INDEX
+            lo, hi = g.new_blocks(cap, end)
+            opened = (hi > lo).nonzero()[0]
+            if not len(opened):         # most decode steps open no block: skip the gathers
+                new_rows = new_blocks = NO_INDEX
+            elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
+                new_rows, new_blocks = gen_rows[opened], lo[opened]
             else:
-                lo, hi = g.new_blocks(cap, end)
-                opened = (hi > lo).nonzero()[0]
-                if not len(opened):         # most decode steps open no block: skip the gathers
-                    new_rows = new_blocks = NO_INDEX
-                elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
-                    new_rows, new_blocks = gen_rows[opened], lo[opened]
-                else:
-                    new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-            if keeps_room:
-                room = min(int(g.block_room(end).min()), spec.max_seq_len - longest)
+                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
+        room = min(int(g.block_room(end).min()), spec.max_seq_len - longest) if keeps_room else -1
         if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
             need = [len(new_rows) + chunks.count for chunks in ctx_slots]
             for p, pool in enumerate(self.pools):
@@ -447,9 +470,8 @@ class KVCacheManager:
                                      f"within staging_timeout_s={ledger.timeout_s}")
         cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
         # the entries a DELTA step rebuilds, and those held past the batch (at most all the others)
-        live = max(len(ctx_rows) + len(gen_rows), pad_to)
-        words = snapshot_words(len(ctx_rows) + len(gen_rows), len(ctx_rows), lay.num_groups, M, cells, cells,
-                               most_rebuilt(live), spec.max_batch - live)
+        words = self._snapshot_bound(len(ctx_rows) + len(gen_rows), len(ctx_rows), M, cells,
+                                     max(len(ctx_rows) + len(gen_rows), pad_to))
         return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
                      gen, cap, end, longest, new_rows, new_blocks, room, known, phased is not None, k, M, pad_to,
                      self.pipeline.acquire(words))

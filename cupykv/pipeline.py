@@ -3,7 +3,8 @@ device mirror, build the tables and write positions, record the step's ready eve
 
 Order of one step (everything after the host packing is asynchronous):
 
-    host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending)
+    host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending); a
+            quiet step copies the last quiet step's snapshot there and writes its id and positions
     then, on each device's manager stream (one Mirror per device; one device by default):
             wait for the previous step's finish on it     (its consumer's reads come before our writes)
             run the backend's StepPlan for the slot's twin (backends/plan.py; on CUDA one cupykv_step
@@ -13,7 +14,8 @@ Order of one step (everything after the host packing is asynchronous):
                 apply the deltas to the mirror             (nothing to apply when no table cell changed)
                 build the tables and write positions       (FULL: the batch's entries; DELTA: the changed
                                                            cells and the entries not current: entries.py)
-            record its `ready` (also the twin's copy event: the slot is reused only after every twin's)
+            record its `ready` (also the twin's copy event: the slot is reused only after every twin's;
+                                                           an inline launch leaves the slot free at once)
 
 Every device gets the same snapshot, so the same mode and the same tables.
 """
@@ -223,10 +225,11 @@ class StepPipeline:
         for m, twin, part in zip(self.mirrors, slot.twins, step.parts):
             plan = m.plan(twin)
             # One event for both: the twin's copy is done when the step is (an event between the copy and
-            # the kernels would cost the GPU time every step, and the slot is reused only later).
+            # the kernels would cost the GPU time every step, and the slot is reused only later). A run whose
+            # snapshot went in its launch leaves nothing that reads the slot: it is free again at once.
             try:
-                part.ready = twin.copied = plan.run(m.backend.stream, step.mode, words, num_cells, entries,
-                                                    tokens, graph)
+                part.ready = plan.run(m.backend.stream, step.mode, words, num_cells, entries, tokens, graph)
+                twin.copied = part.ready if plan.reads_slot(words, graph) else None
             except BaseException:
                 # A run that failed part-way may have enqueued what reads the slot (the copy, a launch whose
                 # ready record failed): the slot is not handed out again before the stream has run it.

@@ -247,6 +247,12 @@ class RequestTable:
         self.moves += 1
 
     # -- generation lists ------------------------------------------------------------------------
+    @property
+    def last_generation(self) -> Optional[GenBatch]:
+        """The last validated generation list (None before the first): generation_batch reuses it while
+        it matches."""
+        return self._gen
+
     def generation_batch(self, gen_ids: List[RequestId], ctx_rows: List[int]) -> Optional[GenBatch]:
         """The validated generation list (known ids, no duplicates with each other or with the contexts,
         whole prompt scheduled); the last one is reused while it matches. None for an empty list."""

@@ -285,7 +285,7 @@ class SlotTwin:
     def __init__(self, slot: "RingSlot", backend, words: int):
         self.slot = slot
         self.dev = backend.device_empty(words)
-        self.copied = None          # event recorded after the last copy that read `host` (the step's ready)
+        self.copied = None          # event after the last work that reads `host` (its step's ready), or None
 
     host = property(lambda self: self.slot.host)
     capacity = property(lambda self: self.slot.capacity)

@@ -1224,3 +1224,29 @@ def test_cache_events_off_keep_nothing_and_decide_the_same():
     assert on.stats() == off.stats()
     assert on.page_table.state() == off.page_table.state()
     assert [p.state() for p in on.pools] == [p.state() for p in off.pools]
+
+
+def test_a_step_within_the_lists_room_checks_its_padding_and_tokens():
+    """A decode step of the last validated list that fits the list's room takes a plan of its own
+    (_plan_in_room); its padding, its tokens and the previous step's finish are checked all the same,
+    with the state unchanged."""
+    mgr = make_mgr(max_step_tokens=4)
+    mgr.add("a", 8)
+    for _ in range(2):
+        s = mgr.prepare_batch({"a": 4})
+        s.finish()
+        mgr.settle(s)
+    for _ in range(2):          # the list's second step knows its room (10 tokens: 6 before block 1)
+        s = mgr.prepare_batch((), ["a"])
+        s.finish()
+        mgr.settle(s)
+    assert mgr.requests.last_generation.has_room(1, mgr.requests.cap_writes)
+    expect_fail(mgr, InvalidRequestError, ["pad_to=0", "[1, 4]"], lambda: mgr.prepare_batch((), ["a"], pad_to=0))
+    expect_fail(mgr, InvalidRequestError, ["pad_to=5", "[1, 4]"], lambda: mgr.prepare_batch((), ["a"], pad_to=5))
+    assert mgr.requests.last_generation.has_room(5, mgr.requests.cap_writes)
+    expect_fail(mgr, CapacityExceededError, ["5 tokens", "max_step_tokens=4"],
+                lambda: mgr.prepare_batch((), ["a"], num_gen_tokens=5))
+    s = mgr.prepare_batch((), ["a"], num_gen_tokens=np.uint8(4), pad_to=np.int64(4))     # and then the step
+    assert (s.num_seqs, int(s.num_tokens[0]), s.pad_to) == (1, 4, 4)
+    assert mgr.requests.last_generation.has_room(1, mgr.requests.cap_writes)
+    expect_fail(mgr, StepOrderError, [f"step {s.id} is not finished"], lambda: mgr.prepare_batch((), ["a"]))

@@ -279,6 +279,7 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
         return orig_batch(gen_ids, ctx_rows)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
+    monkeypatch.setattr(slow, "_plan_in_room", lambda gen_ids, k, pad_to: None)
     found, built = [], []
     openings = cupykv.requests.GenBatch.openings
 
@@ -360,8 +361,9 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
 
 
 def _twin_managers(monkeypatch):
-    """Two managers fed the same calls: `fast` as is, `slow` without the validated-list cache and with
-    settle checking every entry's liveness."""
+    """Two managers fed the same calls: `fast` as is, `slow` without the validated-list cache (nor the
+    plan of a step within the list's room, which takes the list from it) and with settle checking every
+    entry's liveness."""
     fast, slow = make_mgr(rewind=2), make_mgr(rewind=2)
     orig_batch, orig_settle = slow.requests.generation_batch, slow.settle
 
@@ -374,6 +376,7 @@ def _twin_managers(monkeypatch):
         return orig_settle(step, accepted)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
+    monkeypatch.setattr(slow, "_plan_in_room", lambda gen_ids, k, pad_to: None)
     monkeypatch.setattr(slow, "settle", checking_settle)
     return fast, slow
 

@@ -80,7 +80,18 @@ def test_pack_unpack_round_trip():
     assert got["step"] == 41 and got["num_seqs"] == n and got["num_contexts"] == C
 
 
-def test_ring_grows_then_raises_when_exhausted(backend_name):
+def copies_from_the_slot(backend_name, monkeypatch) -> None:
+    """On CUDA, every launch copies its snapshot from its ring slot when it runs (no inline launch, whose
+    snapshot the driver copies at enqueue and which so holds no slot): as the host backend's steps do."""
+    if backend_name == "cuda":
+        from cupykv.backends.cuda import CudaStepPlan
+        monkeypatch.setattr(CudaStepPlan, "_goes_inline", lambda self, words, graph: False)
+
+
+def test_ring_grows_then_raises_when_exhausted(backend_name, monkeypatch):
+    """Steps whose copies read their ring slots hold them until the copies ran: the ring grows to its bound,
+    then a prepare waits for a slot and fails, changing nothing; a slot whose copy completed is reused."""
+    copies_from_the_slot(backend_name, monkeypatch)
     mgr = make(backend_name, ring_slots=2, max_ring_slots=3, staging_timeout_s=0.2)
     mgr.add("a", 16)
     gate = mgr.backend.gate(mgr.backend.stream)       # no snapshot copy can complete

@@ -414,6 +414,10 @@ class CudaStepPlan(StepPlan):
         whatever the snapshot's size."""
         return INLINE_SNAPSHOT_WORDS if self._goes_inline(words, graph) else super().h2d_words(words, graph)
 
+    def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
+        """An inline launch's snapshot is copied by the driver at enqueue: nothing reads the slot after it."""
+        return not self._goes_inline(words, graph)
+
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None) -> CudaEvent:
         be = self.backend

@@ -38,6 +38,12 @@ class StepPlan:
         """The snapshot words that run() takes to the device: the copy's (a graph replay copies its bucket)."""
         return graph[0] if graph is not None else words
 
+    def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
+        """Whether run() leaves work on the stream that reads the ring slot's host buffer (the copy): then the
+        slot may be written again only after run()'s event. False where the snapshot travels in the launch
+        itself, which the driver copies when it enqueues the launch."""
+        return True
+
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None):
         """Enqueue the step on `stream` and return its ready event (recorded after all of it).
