@@ -220,10 +220,17 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
                             max_seq_len=157, max_batch=8, slots_per_group=400, max_rewind=3)
     mgr = cupykv.KVCacheManager(spec, backend="host")
     model, cap = Model(mgr), Capture(mgr)
-    in_room, known = [], []
-    has_room, knows = cupykv.requests.GenBatch.has_room, cupykv.requests.GenBatch.knows
-    monkeypatch.setattr(cupykv.requests.GenBatch, "has_room",
-                        lambda self, k, at: in_room.append(has_room(self, k, at)) or in_room[-1])
+    in_room, known = [], []         # per step planned: by _plan_in_room (True) or by _plan (False)
+    plan_in_room, plan, knows = (cupykv.KVCacheManager._plan_in_room, cupykv.KVCacheManager._plan,
+                                 cupykv.requests.GenBatch.knows)
+
+    def planned_in_room(self, *args):
+        p = plan_in_room(self, *args)
+        if p is not None:
+            in_room.append(True)
+        return p
+    monkeypatch.setattr(cupykv.KVCacheManager, "_plan_in_room", planned_in_room)
+    monkeypatch.setattr(cupykv.KVCacheManager, "_plan", lambda self, *a: in_room.append(False) or plan(self, *a))
     monkeypatch.setattr(cupykv.requests.GenBatch, "knows",
                         lambda self, at: known.append(knows(self, at)) or known[-1])
     rng = np.random.default_rng(batch)
@@ -279,7 +286,7 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
         return orig_batch(gen_ids, ctx_rows)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     found, built = [], []
     openings = cupykv.requests.GenBatch.openings
 
@@ -376,7 +383,7 @@ def _twin_managers(monkeypatch):
         return orig_settle(step, accepted)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     monkeypatch.setattr(slow, "settle", checking_settle)
     return fast, slow
 
