@@ -483,9 +483,13 @@ class KVCacheManager:
         reqs, ledger, table = self.requests, self.ledger, self.page_table
         ledger.poll()
         step_id = ledger.next_id
-        begs, ends, scratch = self._commit_contexts(plan, step_id)
-        self._allocate_blocks(plan.new_rows, plan.new_blocks)
         gen, k = plan.gen, plan.k
+        if plan.ctx_rows:
+            begs, ends, scratch = self._commit_contexts(plan, step_id)
+        else:
+            begs, ends, scratch = self._no_scratch
+        if len(plan.new_rows):
+            self._allocate_blocks(plan.new_rows, plan.new_blocks)
         if not plan.ctx_rows and gen is not None:
             # A pure decode step: the batch arrays are the validated list's (shared, read-only).
             rows, rows32, incarnations, tokens, starts = gen.rows, gen.rows32, gen.incarnations, gen.tokens_for(k), plan.gen_cap
@@ -525,10 +529,9 @@ class KVCacheManager:
         return step
 
     def _commit_contexts(self, plan: _Plan, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Own slots and scratch slots of the step's context chunks; returns the scratch metadata."""
+        """Own slots and scratch slots of the step's context chunks (at least one); returns the scratch
+        metadata."""
         lay, table, C = self.layout, self.page_table, len(plan.ctx_rows)
-        if C == 0:
-            return self._no_scratch
         if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
             for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
                 self.cache.add_boundary(row, int(self.requests.cap[row]) + n)
@@ -562,10 +565,9 @@ class KVCacheManager:
         return [np.concatenate(slots) for slots in parts]
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
-        """A slot of every group for each (row, block): one table write for all groups."""
-        if len(rows):
-            cells = self.page_table.group_base + (rows * self.layout.max_blocks + blocks)     # [groups, n]
-            self.page_table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
+        """A slot of every group for each (row, block) (at least one): one table write for all groups."""
+        cells = self.page_table.group_base + (rows * self.layout.max_blocks + blocks)     # [groups, n]
+        self.page_table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
                new_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None

@@ -178,8 +178,8 @@ class StepPipeline:
         prev = self._prev.parts if self._prev is not None else ()
         for part in prev:
             part.backend.wait(part.backend.stream, part.finished)
-        for m in self.mirrors:
-            for event in after:
+        for event in after:
+            for m in self.mirrors:
                 m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
         self._enqueue(step, slot, cells, values, cleared, written, self._cu_tokens(step.num_tokens), allow_delta)
