@@ -12,5 +12,6 @@ if [ -d head_tree/cupykv ]; then
 fi
 timeout 150 python3 scripts/host_calls.py 256 1 >"$OUT/host_calls.log" 2>&1; timeout 90 python3 scripts/host_calls.py 1 --parts >>"$OUT/host_calls.log" 2>&1; grep -E "^batch|prepare_batch|RawKernel|plan.s run" "$OUT/host_calls.log" | head -24
 timeout 100 python3 scripts/host_floor.py 1 256 2>&1 | tail -n 4 | tee "$OUT/host_floor.log"
+[ "${BENCH:-1}" = 1 ] || exit 0      # BENCH=0: no benchmark
 BENCH_ARGS="--shapes gpt-oss-120b,gpt-oss-20b --seq 32k,128k --batch 1,256 --contexts 0,8 --steps 100 --warmup 20 --no-compile" \
   scripts/gpu_suite.sh bench 2>&1 | tail -n 4
