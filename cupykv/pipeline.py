@@ -27,7 +27,7 @@ import numpy as np
 
 from .layout import BAD, NO_INDEX, Layout
 from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, H_OFF_START_POS, H_STEP, MODE_DELTA, MODE_FULL, SnapshotRing,
-                      graph_buckets, pack_snapshot, pow2_buckets, snapshot_words)
+                      graph_buckets, pack_snapshot, pow2_buckets, snapshot_words, step_word)
 from .entries import EntryMap, most_rebuilt
 from .step import DevicePart, Step, StepOutputs
 
@@ -79,7 +79,7 @@ class _QuietSnapshot:
         if buf is not self.host:
             buf[:self.words] = self.host[:self.words]
             self.host = buf
-        buf[H_STEP] = step.id & 0x7FFFFFFF
+        buf[H_STEP] = step_word(step.id)
         buf[self._starts:self._starts + len(self.rows)] = step.start_positions
         return self.words
 

@@ -177,6 +177,11 @@ def snapshot_runs(cells: np.ndarray, values: np.ndarray):
     return (run_start, run_coff) + run_values(run_coff, values)
 
 
+def step_word(step_id: int) -> int:
+    """The header's H_STEP word of a step id (its low 31 bits: an int32 that stays non-negative)."""
+    return step_id & 0x7FFFFFFF
+
+
 def snapshot_words(num_seqs: int, num_contexts: int, num_groups: int, scratch_width: int,
                    num_runs: int, num_values: int, num_rebuilt: int = 0, num_held: int = 0) -> int:
     """The words of a snapshot with these counts (num_values: the values shipped; at most the changed
@@ -225,7 +230,7 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     held = NO_INDEX if held is None else held
     sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
                 cu_tokens, start_pos, rebuilt, held)
-    words = [step_id & 0x7FFFFFFF, len(run_start), num_cells, len(shipped), len(copy_idx), begs.shape[1],
+    words = [step_word(step_id), len(run_start), num_cells, len(shipped), len(copy_idx), begs.shape[1],
              scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
     # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
     # of the concatenation, whose cost grows with the number of arrays more than with their data.
