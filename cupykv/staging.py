@@ -344,21 +344,18 @@ class SnapshotRing:
         for k in range(n):
             slot = self.slots[(self._next + k) % n]
             if not slot.busy():
-                # The search starts at the slot handed out last: a slot nothing reads after its step's
-                # enqueue (an inline launch's) serves every step, and a busy one is passed over in order.
-                self._next = (self._next + k) % n
+                self._next = (self._next + k + 1) % n
                 return self._fit(slot, words)
         if n < self.max_slots:
             slot = RingSlot(self.backends, max(words, self.words))
             self.slots.append(slot)
-            self._next = n
             return slot
-        self._next = (self._next + 1) % n       # every slot is busy: the one after the last handed out is the oldest
         oldest = self.slots[self._next]
         if not oldest.wait(self.timeout_s):
             raise StagingExhaustedError(
                 f"all {n} snapshot slots are still being copied after {self.timeout_s} s; is the manager "
                 f"stream blocked (a gate, a consumer event that never completes)?")
+        self._next = (self._next + 1) % n
         return self._fit(oldest, words)
 
     def _fit(self, slot: RingSlot, words: int) -> RingSlot:

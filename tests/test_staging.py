@@ -416,7 +416,7 @@ def grown_slot_workload(mgr):
 
     mgr.add("small", 40)
     step({"small": 40}, [])
-    for _ in range(len(mgr.ring.slots)):              # the slot(s) the ring hands out carry steps (and plans)
+    for _ in range(len(mgr.ring.slots)):              # every ring slot carries a step (and has its plan)
         step({}, ["small"])
     slots = list(mgr.ring.slots)
     capacities = [slot.capacity for slot in slots]
@@ -460,33 +460,3 @@ def test_a_stale_step_plan_is_caught(backend_name, monkeypatch):
         return
     assert grown and cap.mismatches(), "a plan kept past its slot's growth went unnoticed"
 
-
-def test_the_ring_hands_out_the_last_slot_again_while_it_is_free(backend_name, monkeypatch):
-    """acquire searches from the slot it handed out last: steps whose slots are free again by the next
-    prepare (waited for here; on CUDA, an inline launch's at once) all take one slot, and steps whose copies
-    are still pending take the next free ones in order, then the ring comes back to the last one."""
-    copies_from_the_slot(backend_name, monkeypatch)
-    mgr = make(backend_name, ring_slots=3)
-    mgr.add("a", 16)
-    taken, acquire = [], mgr.pipeline.acquire
-    monkeypatch.setattr(mgr.pipeline, "acquire", lambda words: taken.append(acquire(words)) or taken[-1])
-
-    def step(contexts=(), wait=True):
-        s = mgr.prepare_batch(contexts, [] if contexts else ["a"])
-        s.finish()
-        mgr.settle(s)
-        if wait:
-            mgr.synchronize()
-    step({"a": 16})
-    for _ in range(3):
-        step()
-    slots = mgr.ring.slots
-    assert taken == [slots[0]] * 4
-    gate = mgr.backend.gate(mgr.backend.stream)         # the copies stay pending
-    for _ in range(3):
-        step(wait=False)
-    assert taken[4:] == [slots[0], slots[1], slots[2]]
-    gate.open()
-    mgr.synchronize()
-    step()
-    assert taken[7] is slots[2] and len(slots) == 3
