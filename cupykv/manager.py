@@ -342,25 +342,25 @@ class KVCacheManager:
         gen_ids = request_ids(generation)
         k = as_count(num_gen_tokens, "num_gen_tokens", minimum=1, maximum=self.spec.max_seq_len)
         pad = None if pad_to is None else as_count(pad_to, "pad_to")   # its range once the entries are known
-        gen = self.requests.last_generation
-        in_room = not ctx_items and gen is not None and gen.room >= k     # (a large batch's list keeps no room)
+        reqs = self.requests
+        gen = reqs.last_generation
+        in_room = not ctx_items and gen is not None and gen.has_room(k, reqs.cap_writes)   # (never at b256)
         plan = self._plan_in_room(gen, gen_ids, k, pad) if in_room else None
         return self._commit(plan if plan is not None else self._plan(ctx_items, gen_ids, k, pad))
 
     def _plan_in_room(self, gen: GenBatch, gen_ids: list, k: int, pad_to: Optional[int]) -> Optional[_Plan]:
-        """The plan of a decode step of the validated list `gen` the last steps scheduled, when its k tokens
-        an entry fit the list's room (no entry opens a block or passes max_seq_len): most steps of a small
-        batch. Such a step takes no slot, so it needs none of _plan's counting. None for any other step,
-        and for one that _plan would refuse (it raises the error) or whose in-flight steps it would wait
-        for."""
+        """The plan of a decode step of the last validated list `gen`, whose room holds k tokens an entry
+        (GenBatch.has_room: no entry opens a block or passes max_seq_len): most steps of a small batch. Such
+        a step takes no slot, so it needs none of _plan's counting. None when gen_ids are not that list, and
+        for a step that _plan would refuse (it raises the error) or whose in-flight steps it would wait for.
+        pad_to: None (no padding) or a count."""
         reqs, ledger, spec = self.requests, self.ledger, self.spec
         latest = ledger.latest
-        if (not gen.has_room(k, reqs.cap_writes) or not gen.matches(gen_ids, reqs.moves)
-                or (latest is not None and not latest.is_finished())
+        if (not gen.matches(gen_ids, reqs.moves) or (latest is not None and not latest.is_finished())
                 or ledger.num_steps_in_flight() >= self.max_steps_in_flight):
             return None
         n = len(gen.rows)
-        live = n if pad_to is None else pad_to
+        live = n if pad_to is None else pad_to      # (an explicit pad_to of 0 is out of range: _plan says so)
         if not n <= live <= spec.max_batch or k * n > spec.step_token_capacity:
             return None
         cap = reqs.cap[gen.rows]
