@@ -4,7 +4,8 @@ device mirror, build the tables and write positions, record the step's ready eve
 Order of one step (everything after the host packing is asynchronous):
 
     host:   pack the step's inputs into a free pinned ring slot (never one whose copy may be pending); a
-            quiet step copies the last quiet step's snapshot there and writes its id and positions
+            step of the last step's list copies that step's snapshot there, writes its id and positions
+            and packs its own table deltas
     then, on each device's manager stream (one Mirror per device; one device by default):
             wait for the previous step's finish on it     (its consumer's reads come before our writes)
             run the backend's StepPlan for the slot's twin (backends/plan.py; on CUDA one cupykv_step
@@ -26,8 +27,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .layout import BAD, NO_INDEX, Layout
-from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, H_OFF_START_POS, H_STEP, MODE_DELTA, MODE_FULL, SnapshotRing,
-                      graph_buckets, pack_snapshot, pow2_buckets, snapshot_words, step_word)
+from .staging import (GRAPH_MIN_TOKENS, H_NUM_CELLS, H_OFF_RUN_START, H_OFF_START_POS, H_STEP, MODE_DELTA,
+                      MODE_FULL, SnapshotRing, graph_buckets, pack_runs, pack_snapshot, pow2_buckets,
+                      snapshot_words, step_word)
 from .entries import EntryMap, most_rebuilt
 from .step import DevicePart, Step, StepOutputs
 
@@ -55,18 +57,19 @@ def _after_failure(backend):
         return _NeverDone()
 
 
-class _QuietSnapshot:
-    """The snapshot of a quiet step: a DELTA step of a generation list that changed no table cell and
-    rebuilt no entry. The next step of the very same list (the same validated rows and token counts, the
-    same padding) that changes no cell either has the same snapshot but for its id and start positions,
-    so it copies this one and writes those two (the entry map does not move: EntryMap.unchanged).
-    The pipeline owns it and drops it at every launch (_enqueue keeps it, or makes a new one, only for a
-    quiet step)."""
+class _ListSnapshot:
+    """The snapshot of a DELTA step of a generation list that rebuilt no entry. The next step of the very
+    same list (the same validated rows and token counts, the same padding) rebuilds none either
+    (EntryMap.unchanged), so its snapshot's list part is this one's but for its id and start positions; it
+    copies this one, writes those two, and packs only its own table deltas (staging.pack_runs) unless it
+    has none and this one had none either (a quiet step). The pipeline owns it and drops it at every launch
+    (_enqueue keeps it, or makes a new one, only for such a step)."""
 
-    __slots__ = ("host", "words", "rows", "tokens", "pad_to", "_starts")
+    __slots__ = ("host", "words", "list_words", "rows", "tokens", "pad_to", "_starts")
 
     def __init__(self, host: np.ndarray, words: int, step: Step):
         self.host, self.words = host, words
+        self.list_words = int(host[H_OFF_RUN_START])        # where the runs part starts
         self.rows, self.tokens, self.pad_to = step.rows, step.num_tokens, step.pad_to
         self._starts = int(host[H_OFF_START_POS])
 
@@ -74,14 +77,18 @@ class _QuietSnapshot:
         """Whether `step` schedules what this snapshot's step did (its list's arrays are shared)."""
         return step.rows is self.rows and step.num_tokens is self.tokens and step.pad_to == self.pad_to
 
-    def repack(self, buf: np.ndarray, step: Step) -> int:
-        """Write `step`'s snapshot into `buf` (a ring slot); returns its words. buf then holds the template."""
+    def repack(self, buf: np.ndarray, step: Step, cells: np.ndarray, values: np.ndarray,
+               cleared: Optional[np.ndarray], written) -> int:
+        """Write `step`'s snapshot into `buf` (a ring slot; the deltas as pack_snapshot takes them); returns
+        its words. buf then holds the template."""
         if buf is not self.host:
             buf[:self.words] = self.host[:self.words]
             self.host = buf
         buf[H_STEP] = step_word(step.id)
         buf[self._starts:self._starts + len(self.rows)] = step.start_positions
-        return self.words
+        if len(cells) or cleared is not None or written is not None or self.words != self.list_words + 1:
+            self.words = pack_runs(buf, self.list_words, cells, values, cleared, written)
+        return self.words      # (list_words + 1: no runs, run_coff = [0])
 
 
 class KernelConsts:
@@ -155,7 +162,7 @@ class StepPipeline:
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
         self._cu_of, self._cu = None, None      # _cu_tokens' last token array and its result
-        self._quiet: Optional[_QuietSnapshot] = None     # the last step's snapshot, if a quiet step's
+        self._listed: Optional[_ListSnapshot] = None     # the last step's snapshot, if a list step's
 
     # Device 0's buffers (the only ones of a one-device manager).
     consts = property(lambda self: self.mirrors[0].consts)
@@ -199,10 +206,10 @@ class StepPipeline:
         return self._cu
 
     def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
-        quiet, self._quiet = self._quiet, None
-        if (quiet is not None and allow_delta and quiet.follows(step) and not len(cells) and cleared is None
-                and written is None):
-            step.mode, words, num_cells, entries = MODE_DELTA, quiet.repack(slot.host, step), 0, 0
+        listed, self._listed = self._listed, None
+        if listed is not None and allow_delta and listed.follows(step):
+            step.mode, entries = MODE_DELTA, 0
+            words = listed.repack(slot.host, step, cells, values, cleared, written)
         else:
             rebuilt, held = self._entries(step, allow_delta)
             step.mode = MODE_FULL if rebuilt is None else MODE_DELTA
@@ -210,13 +217,13 @@ class StepPipeline:
                                   step.scratch_slots, cells, values, cu_tokens, step.start_positions,
                                   mode=step.mode, pad_to=step.pad_to, rebuilt=rebuilt, held=held, cleared=cleared,
                                   written=written)
-            # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
-            num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
             # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
             # bucket cover one at least), or the rebuilt ones
             entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
-            quiet = (_QuietSnapshot(slot.host, words, step)
-                     if step.mode == MODE_DELTA and not entries and not num_cells and step.num_contexts == 0 else None)
+            listed = (_ListSnapshot(slot.host, words, step)
+                      if step.mode == MODE_DELTA and not entries and step.num_contexts == 0 else None)
+        # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
+        num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
         tokens = int(cu_tokens[-1])
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
         graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
@@ -237,7 +244,7 @@ class StepPipeline:
                 raise
             h2d_words += plan.h2d_words(words, graph)
         self.h2d_bytes_last_step = h2d_words * 4
-        self._quiet = quiet
+        self._listed = listed
 
     def capture_graphs(self) -> int:
         """Capture now every step graph the ring slots can need on every device (CUDA backend with

@@ -7,13 +7,25 @@ after its last copy has completed, and a slot's pinned buffer is dropped only th
 SnapshotRing._fit): CuPy's pinned pool would hand a dropped buffer to the next allocation while its copy
 may still be pending. A grown slot's device buffers are retired, not dropped (kernels may still read them).
 
-Snapshot layout (int32 words; the device kernels read every count from the header):
+Snapshot layout (int32 words; the device kernels read every count and offset from the header). The list
+part comes first: what a generation list's decode steps share but for the step id and start positions.
+The runs part, the step's own table deltas, comes last (pack_runs), so a step of the same list as the last
+one can copy the list part and pack only its runs (pipeline._ListSnapshot).
 
-    header[HEADER_WORDS]
+    header[HEADER_WORDS]              the list part's words (H_STEP ... H_OFF_REBUILT), then the runs part's
+                                      (H_NUM_RUNS ... H_OFF_VALUES)
     copy_idx[num_seqs]                table row of each batch entry (contexts first)
+    cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
+    start_pos[num_seqs]               sequence position of entry s's first new token
+    held[num_held]                    the table row whose tables the output keeps, after this step, at each
+                                      entry [live, live + num_held) past the batch (live = max(num_seqs,
+                                      pad_to)), or a negative value for none (entries.NONE, PADDING): the
+                                      changed cells of those rows are written there too
     begs[P, num_contexts]             scratch block range of each context, per group
     ends[P, num_contexts]
     scratch[P, num_contexts, M]       scratch slot ids (M = header[H_SCRATCH_WIDTH])
+    rebuilt[num_rebuilt]              DELTA: the entries whose tables are written whole (the others get
+                                      only their changed cells); empty in FULL mode (every entry is)
     run_start[num_runs]               table deltas as runs of consecutive cells: flat start index into
                                       table[P, rows, B]
     run_coff[num_runs + 1]            run r is the step's changed cells [run_coff[r], run_coff[r + 1]) (of
@@ -21,14 +33,6 @@ Snapshot layout (int32 words; the device kernels read every count from the heade
     run_value[num_runs]               where run r's values start in values[], or ~v (negative): every cell
                                       of the run takes values[v] (a fill run: a freed row's BAD cells)
     values[num_values]
-    cu_tokens[num_seqs + 1]           new tokens of batch entry s: [cu_tokens[s], cu_tokens[s+1])
-    start_pos[num_seqs]               sequence position of entry s's first new token
-    rebuilt[num_rebuilt]              DELTA: the entries whose tables are written whole (the others get
-                                      only their changed cells); empty in FULL mode (every entry is)
-    held[num_held]                    the table row whose tables the output keeps, after this step, at each
-                                      entry [live, live + num_held) past the batch (live = max(num_seqs,
-                                      pad_to)), or a negative value for none (entries.NONE, PADDING): the
-                                      changed cells of those rows are written there too
 
 Which entry holds which row: row_entry[row] (device) is the entry the step that last wrote the row whole
 put it at; a changed cell of `row` goes to entry e = row_entry[row] when this step's batch has the row
@@ -37,22 +41,22 @@ there (e < live: copy_idx[e] == row, not a context) or held[e - live] == row. Th
 """
 from __future__ import annotations
 
-import operator
 import struct
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .errors import StagingExhaustedError
 from .layout import BAD, FILL_MIN_RUN, NO_INDEX, QUAD_BLOCKS
 
-H_STEP, H_NUM_RUNS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH = range(6)
-H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF = range(6, 12)
-H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_NUM_TOKENS = range(12, 16)
-H_MODE = 16
-H_PAD_TO = 17              # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
-H_NUM_HELD, H_NUM_REBUILT, H_OFF_REBUILT, H_OFF_HELD = 18, 19, 20, 21
-H_NUM_CELLS, H_OFF_RUN_VALUE = 22, 23
+# The header's words, in the order pack_snapshot writes them: the list part's counts, then its sections'
+# offsets in layout order, then the runs part's counts and offsets.
+H_STEP, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH, H_NUM_TOKENS, H_MODE = range(6)
+H_PAD_TO = 6               # rows [num_seqs, pad_to) of the output are written BAD or the null page (fixed-size consumers)
+H_NUM_HELD, H_NUM_REBUILT = 7, 8
+H_OFF_COPY_IDX, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_HELD = range(9, 13)
+H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_REBUILT = range(13, 17)
+H_NUM_RUNS, H_NUM_CELLS, H_NUM_VALUES, H_OFF_RUN_START, H_OFF_RUN_COFF, H_OFF_RUN_VALUE, H_OFF_VALUES = range(17, 24)
 HEADER_WORDS = 24
 
 # H_MODE: FULL rewrites the batch's entries of the output whole; DELTA rewrites whole only the rebuilt
@@ -205,13 +209,40 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
                   held=None, cleared=None, written=None) -> int:
     """Write one step's inputs into `buf` (int32, large enough); returns the words used.
 
-    begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; cells: flat indices of changed table
-    cells (any order; a repeated cell must carry the same value each time) and `values` their values, slots
-    or BAD, shipped as snapshot_runs gives them; written: None or (int64 [n >= 1, 2] flat ranges [lo, hi),
-    int32 their cells' values range after range), each range shipped as a run after the cells' runs;
-    cleared: None or int64 [n >= 1, 2], flat ranges [lo, hi) that hold BAD in every cell, each shipped as a
-    fill run after those; rebuilt: DELTA mode's entries to write whole (None: none); held: the rows kept
-    past the batch (None: none).
+    begs/ends: [P, num_contexts]; scratch: [P, num_contexts, M]; rebuilt: DELTA mode's entries to write
+    whole (None: none); held: the rows kept past the batch (None: none); cells, values, cleared, written:
+    the table deltas, as pack_runs takes them.
+    """
+    rebuilt = NO_INDEX if rebuilt is None else rebuilt
+    held = NO_INDEX if held is None else held
+    sections = (copy_idx, cu_tokens, start_pos, held, begs.ravel(), ends.ravel(), scratch.ravel(), rebuilt)
+    words = [step_word(step_id), len(copy_idx), begs.shape[1], scratch.shape[2],
+             int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(held), len(rebuilt)]
+    # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
+    # of the concatenation, whose cost grows with the number of arrays more than with their data.
+    pieces, pos = [], HEADER_WORDS
+    for a in sections:
+        words.append(pos)
+        if a.size:
+            pieces.append(a)
+            pos += a.size
+    # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
+    # list assigned to a slice is one, with a conversion per item) costs more than the data.
+    _LIST_HEADER.pack_into(buf, 0, *words)
+    if pieces:
+        np.concatenate(pieces, out=buf[HEADER_WORDS:pos])
+    return pack_runs(buf, pos, cells, values, cleared, written)
+
+
+def pack_runs(buf: np.ndarray, pos: int, cells, values, cleared=None, written=None) -> int:
+    """Write a step's table deltas into `buf` from word `pos` on (the runs part: the last of the snapshot)
+    and their header words; returns the snapshot's words.
+
+    cells: flat indices of changed table cells (int64, any order; a repeated cell must carry the same value
+    each time) and `values` their values (int32, slots or BAD), shipped as snapshot_runs gives them;
+    written: None or (int64 [n >= 1, 2] flat ranges [lo, hi), int32 their cells' values range after range),
+    each range shipped as a run after the cells' runs; cleared: None or int64 [n >= 1, 2], flat ranges
+    [lo, hi) that hold BAD in every cell, each shipped as a fill run after those.
     """
     runs = snapshot_runs(cells, values)
     num_cells = len(cells)
@@ -226,37 +257,17 @@ def pack_snapshot(buf: np.ndarray, step_id: int, copy_idx, begs, ends, scratch, 
     run_start, run_coff, run_value, shipped = runs
     if written is not None or cleared is not None:
         num_cells = int(run_coff[-1])
-    rebuilt = NO_INDEX if rebuilt is None else rebuilt
-    held = NO_INDEX if held is None else held
-    sections = (copy_idx, begs.ravel(), ends.ravel(), scratch.ravel(), run_start, run_coff, run_value, shipped,
-                cu_tokens, start_pos, rebuilt, held)
-    words = [step_word(step_id), len(run_start), num_cells, len(shipped), len(copy_idx), begs.shape[1],
-             scratch.shape[2], int(cu_tokens[-1]) if len(cu_tokens) else 0, mode, pad_to, len(rebuilt), len(held)]
-    # Each section starts where the one before it ends. The empty ones (most of a decode step's) are left out
-    # of the concatenation, whose cost grows with the number of arrays more than with their data.
-    pieces, pos = [], HEADER_WORDS
-    for a in sections:
-        words.append(pos)
-        if a.size:
-            pieces.append(a)
-            pos += a.size
-    # One struct pack and one concatenation straight into the buffer: at decode sizes each numpy call (a
-    # list assigned to a slice is one, with a conversion per item) costs more than the data.
-    _HEADER.pack_into(buf, 0, *_HEADER_ORDER(words))
-    if pieces:
-        np.concatenate(pieces, out=buf[HEADER_WORDS:pos])
-    return pos
+    n = len(run_start)
+    end = pos + 3 * n + 1 + len(shipped)
+    _RUNS_HEADER.pack_into(buf, H_NUM_RUNS * 4, n, num_cells, len(shipped), pos, pos + n, pos + 2 * n + 1,
+                           pos + 3 * n + 1)
+    np.concatenate(runs, out=buf[pos:end])
+    return end
 
 
-# pack_snapshot gathers the header's words in this order (its counts, then the sections' offsets, in the
-# order the sections are laid out); _HEADER_ORDER puts them in H_* order.
-_GATHERED = (H_STEP, H_NUM_RUNS, H_NUM_CELLS, H_NUM_VALUES, H_NUM_SEQS, H_NUM_CONTEXTS, H_SCRATCH_WIDTH, H_NUM_TOKENS,
-             H_MODE, H_PAD_TO, H_NUM_REBUILT, H_NUM_HELD,
-             H_OFF_COPY_IDX, H_OFF_BEGS, H_OFF_ENDS, H_OFF_SCRATCH, H_OFF_RUN_START, H_OFF_RUN_COFF, H_OFF_RUN_VALUE,
-             H_OFF_VALUES, H_OFF_CU_TOKENS, H_OFF_START_POS, H_OFF_REBUILT, H_OFF_HELD)
-assert sorted(_GATHERED) == list(range(HEADER_WORDS)), "every header word is gathered once"
-_HEADER_ORDER = operator.itemgetter(*[_GATHERED.index(word) for word in range(HEADER_WORDS)])
-_HEADER = struct.Struct(f"={HEADER_WORDS}i")     # the header words as native int32 (the buffer's dtype)
+# The header's words as native int32 (the buffer's dtype): the list part's, and the runs part's from H_NUM_RUNS.
+_LIST_HEADER = struct.Struct(f"={H_NUM_RUNS}i")
+_RUNS_HEADER = struct.Struct(f"={HEADER_WORDS - H_NUM_RUNS}i")
 
 
 def unpack_snapshot(snap: np.ndarray, num_groups: int) -> dict:
@@ -318,6 +329,14 @@ class RingSlot:
                 return True
         return False
 
+    def unread(self) -> bool:
+        """Whether no device's work reads the pinned buffer since its last step was enqueued (an inline
+        launch's snapshot is copied by the driver at enqueue)."""
+        for twin in self.twins:
+            if twin.copied is not None:
+                return False
+        return True
+
     def wait(self, timeout_s: float) -> bool:
         """Host wait for every twin's copy; False when one did not complete within timeout_s."""
         return all(t.copied is None or t.copied.wait(timeout_s) for t in self.twins)
@@ -326,6 +345,10 @@ class RingSlot:
 class SnapshotRing:
     """Pinned snapshot slots, reused only once every device's copy event has completed.
 
+    Slots are handed out in turn, except that a slot nothing read after its step's enqueue (an inline
+    launch's: SlotTwin.copied None) is handed out again at once: a run of small launched steps stays on one
+    slot, whose list snapshot (pipeline._ListSnapshot) is then patched in place. Steps that read their
+    slot (copies, graph replays) go round, so each slot gets its step graphs early, not behind a busy stream.
     When every slot is in flight the ring grows, up to max_slots; then it waits for the oldest slot,
     up to timeout_s, and raises StagingExhaustedError. It never hands out a busy slot.
     """
@@ -338,8 +361,16 @@ class SnapshotRing:
         self.timeout_s = timeout_s
         self.slots: List[RingSlot] = [RingSlot(self.backends, words) for _ in range(initial_slots)]
         self._next = 0
+        self._last: Optional[RingSlot] = None      # the slot handed out last
 
     def acquire(self, words: int) -> RingSlot:
+        last = self._last
+        if last is not None and last.unread():
+            return self._fit(last, words)
+        self._last = slot = self._take(words)
+        return slot
+
+    def _take(self, words: int) -> RingSlot:
         n = len(self.slots)
         for k in range(n):
             slot = self.slots[(self._next + k) % n]

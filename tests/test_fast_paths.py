@@ -803,34 +803,37 @@ def test_ranges_across_features(monkeypatch):
     assert seen["ranges"] > 100 and seen["expanded"] > 20, seen
 
 
-# -- quiet steps: the last snapshot repacked ------------------------------------------------------------
+# -- list steps: the last snapshot repacked ---------------------------------------------------------------
 
 @pytest.mark.parametrize("ring_slots", [1, 4])
-def test_quiet_steps_repack_what_the_general_pack_packs(backend_name, ring_slots, monkeypatch):
-    """A decode step of the previous step's very list that changes no table cell (a quiet step) copies the
-    previous quiet step's snapshot and writes its id and start positions (pipeline._QuietSnapshot). Every
-    such snapshot must be the bytes pack_snapshot gives for the step, and every step's tables and write
-    positions the reference's, across block openings, window releases, another list now and then, a
-    change of padding or of tokens per entry, a failed launch, frees and adds outside the list. With one
-    ring slot, every step writes the slot that holds the template."""
+def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots, monkeypatch):
+    """A decode step of the previous step's very list, which rebuilt no entry, copies the previous step's
+    snapshot, writes its id and start positions and packs its own table deltas (pipeline._ListSnapshot;
+    a quiet step, with no delta after one with none, packs nothing). Every such snapshot must be the bytes
+    pack_snapshot gives for the step, and every step's tables and write positions the reference's, across
+    block openings, window releases, another list now and then, a change of padding or of tokens per entry,
+    a failed launch, frees and adds outside the list. With one ring slot, every step writes the slot that
+    holds the template."""
     from cupykv import pipeline
     spec = cupykv.CacheSpec(windows=[16, None], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=600, max_rewind=2)
     mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=ring_slots)
     cap = Capture(mgr, write_positions=True)
-    repacked, repack = [], pipeline._QuietSnapshot.repack
+    repacked, repack = [], pipeline._ListSnapshot.repack
 
-    def checked(self, buf, step):
-        words = repack(self, buf, step)
+    def checked(self, buf, step, cells, values, cleared, written):
+        words = repack(self, buf, step, cells, values, cleared, written)
         rebuilt, held = mgr.pipeline.entries.unchanged(step.rows, step.pad_to)
         want = np.zeros(words + 64, np.int32)
         n = staging.pack_snapshot(want, step.id, step.rows, step.scratch_begs, step.scratch_ends,
-                                  step.scratch_slots, staging.NO_INDEX, staging.NO_INDEX,
+                                  step.scratch_slots, cells, values,
                                   np.concatenate(([0], np.cumsum(step.num_tokens))), step.start_positions,
-                                  mode=staging.MODE_DELTA, pad_to=step.pad_to, rebuilt=rebuilt, held=held)
-        repacked.append((n == words and np.array_equal(buf[:words], want[:n]), step.id))
+                                  mode=staging.MODE_DELTA, pad_to=step.pad_to, rebuilt=rebuilt, held=held,
+                                  cleared=cleared, written=written)
+        deltas = len(cells) > 0 or cleared is not None or written is not None
+        repacked.append((n == words and np.array_equal(buf[:words], want[:n]), step.id, deltas))
         return words
-    monkeypatch.setattr(pipeline._QuietSnapshot, "repack", checked)
+    monkeypatch.setattr(pipeline._ListSnapshot, "repack", checked)
     rng = np.random.default_rng(ring_slots)
     for r, n in (("a", 21), ("b", 40), ("c", 9)):
         mgr.add(r, n)
@@ -863,5 +866,6 @@ def test_quiet_steps_repack_what_the_general_pack_packs(backend_name, ring_slots
             mgr.synchronize()
     mgr.synchronize()
     assert cap.mismatches() == []
-    bad = [i for ok, i in repacked if not ok]
-    assert len(repacked) > 100 and not bad, (len(repacked), bad[:5])
+    bad = [i for ok, i, _ in repacked if not ok]
+    with_deltas = sum(deltas for _, _, deltas in repacked)
+    assert len(repacked) - with_deltas > 100 and with_deltas > 20 and not bad, (len(repacked), with_deltas, bad[:5])

@@ -133,13 +133,15 @@ def test_pinned_pool_recycled(backend_name, staging):
     check(staging, step, bad)
 
 
+@pytest.mark.parametrize("ring_slots", [1, 4])
 @pytest.mark.parametrize("variant", ["inline", "copy released at enqueue"])
-def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, monkeypatch):
+def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, monkeypatch):
     """A launched step whose snapshot goes in its launch's parameters (cupykv_step_inline; the driver copies
     them when it enqueues the launch) leaves nothing that reads its ring slot: the slot is free at once, so
-    one slot serves every step behind a gate, each step's tables its own. The control releases the slot at
-    enqueue for launches that copy it when they run (cupykv_step): the next steps rewrite the slot before the
-    gated copies read it, and the test sees the wrong tables."""
+    one slot serves every step behind a gate, each step's tables its own (with four slots the ring hands
+    that slot out again: SnapshotRing). The control releases the slot at enqueue for launches that copy it
+    when they run (cupykv_step): the next steps rewrite the slot before the gated copies read it, and the
+    test sees the wrong tables."""
     backend_or_skip("cuda")
     from cupykv.backends.cuda import CudaStepPlan
     if variant != "inline":
@@ -147,7 +149,8 @@ def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, monkeypatch):
         monkeypatch.setattr(CudaStepPlan, "reads_slot", lambda self, words, graph=None: False)
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2)
-    mgr = cupykv.KVCacheManager(spec, backend="cuda", ring_slots=1, max_ring_slots=1, staging_timeout_s=0.2)
+    mgr = cupykv.KVCacheManager(spec, backend="cuda", ring_slots=ring_slots, max_ring_slots=ring_slots,
+                                staging_timeout_s=0.2)
     warm(mgr, ["a", "b", "c"])
 
     def then(cap):
@@ -155,7 +158,7 @@ def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, monkeypatch):
             cap.consume(mgr.prepare_batch((), batch))
 
     step, bad = run_gated(mgr, lambda: mgr.prepare_batch((), ["a", "b", "c"]), then)
-    assert len(mgr.ring.slots) == 1
+    assert len(mgr.ring.slots) == ring_slots
     if variant == "inline":
         assert bad == [], f"steps with wrong tables: {bad}"
     else:

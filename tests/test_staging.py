@@ -404,7 +404,8 @@ def test_padding_rows_read_bad(backend_name):
 
 def grown_slot_workload(mgr):
     """Decode steps on small snapshots, then a prefill whose snapshot outgrows its ring slot, then decode
-    steps that come back to that slot; every step captured. Returns (the Capture, the grown slot)."""
+    steps that come back to that slot; every step captured. Returns (the Capture, the grown slot). On CUDA
+    every step must copy its snapshot (copies_from_the_slot): inline launches would stay on one slot."""
     cap = Capture(mgr, write_positions=True)
 
     def step(contexts, generation):
@@ -429,10 +430,11 @@ def grown_slot_workload(mgr):
     return cap, grown
 
 
-def test_a_grown_ring_slot_gets_a_new_step_plan(backend_name):
+def test_a_grown_ring_slot_gets_a_new_step_plan(backend_name, monkeypatch):
     """A ring slot that grows gets new buffers, so each device's step plan for it is made again; the steps
     after the growth still get the reference's tables and write positions. A plan kept past the growth
     (fits() always true) sends the grown slot's steps to the old, smaller buffers, and the test sees it."""
+    copies_from_the_slot(backend_name, monkeypatch)
     mgr = make(backend_name)
     cap, grown = grown_slot_workload(mgr)
     assert grown, "no ring slot grew: the test does not reach the path it is about"
@@ -452,6 +454,7 @@ def test_a_stale_step_plan_is_caught(backend_name, monkeypatch):
         plans.append(CudaStepPlan)
     for cls in plans:
         monkeypatch.setattr(cls, "fits", lambda self, twin: True)
+    copies_from_the_slot(backend_name, monkeypatch)
     mgr = make(backend_name)
     try:
         cap, grown = grown_slot_workload(mgr)
@@ -460,3 +463,35 @@ def test_a_stale_step_plan_is_caught(backend_name, monkeypatch):
         return
     assert grown and cap.mismatches(), "a plan kept past its slot's growth went unnoticed"
 
+
+
+def test_the_ring_hands_out_an_unread_slot_again(backend_name, monkeypatch):
+    """acquire hands out the slot it handed out last again while nothing reads it (an inline launch's, on
+    CUDA): a gated burst of small launched steps takes that one slot. Steps that read their slot (every step
+    of the host backend, CUDA's copies) take the slots in turn, never one whose copy is pending (the ring
+    grows instead)."""
+    mgr = make(backend_name, ring_slots=3)
+    mgr.add("a", 16)
+    taken, acquire = [], mgr.ring.acquire
+    monkeypatch.setattr(mgr.ring, "acquire", lambda words: taken.append(acquire(words)) or taken[-1])
+
+    def step(contexts=()):
+        s = mgr.prepare_batch(contexts, [] if contexts else ["a"])
+        s.finish()
+        mgr.settle(s)
+    step({"a": 16})
+    mgr.synchronize()
+    gate = mgr.backend.gate(mgr.backend.stream)         # what reads a slot stays pending
+    for _ in range(3):
+        step()
+    copies_from_the_slot(backend_name, monkeypatch)
+    for _ in range(2):
+        step()
+    gate.open()
+    mgr.synchronize()
+    assert not gate.close_timeout_hit()
+    slots = mgr.ring.slots
+    if backend_name == "cuda":      # the copy takes the unread slot, the next one the slot after it in turn
+        assert taken == [slots[0]] * 5 + [slots[1]] and len(slots) == 3
+    else:
+        assert taken == [slots[0], slots[1], slots[2], slots[0], slots[3], slots[4]]
