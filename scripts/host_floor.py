@@ -13,8 +13,9 @@ batch, GPT-OSS-120B's two groups (a 128-token window and full attention), 32 tok
     snapshot (a struct-packed header, then the batch's rows, the changed cells and their values, the
     cumulative tokens and the start positions, concatenated into a pinned slot); on CUDA: the oldest
     in-flight step's finish and the ring slot's last copy polled, the wait for the previous finish, one
-    launch of a kernel that takes the slot's first 3840 bytes as a parameter (as cupykv_step_inline does),
-    the ready event; a record of the step.
+    launch of a kernel that takes the slot's first words as a parameter, as many as the smallest inline step
+    kernel that carries the snapshot (kernels.INLINE_STEP_KERNELS) takes, the ready event; a record of the
+    step.
   settle: history advances by one token each; the window's blocks that fell out of it are cleared from the
     table, logged and quarantined.
 
@@ -29,9 +30,10 @@ import time
 
 import numpy as np
 
+from cupykv.kernels import INLINE_STEP_KERNELS
+
 BAD, TPB, SHIFT, WINDOW, MAX_SEQ, BLOCKS, GROUPS = -1, 32, 5, 128, 32768, 1028, 2
 HEADER = struct.Struct("=24i")
-PARAM_BYTES = 3840
 
 
 class Floor:
@@ -69,19 +71,22 @@ class Floor:
         from cupy.cuda import runtime as rt
         from cupykv.backends.cuda import PackedLaunch, ParamBytes
         self.slot = cupyx.empty_pinned(16384, np.int32)
-        kernel = cupy.RawKernel(f'''
-            struct Snap {{ int w[{PARAM_BYTES // 4}]; }};
-            extern "C" __global__ void step(const __grid_constant__ Snap s, int* out) {{ out[0] = s.w[0]; }}''',
-                                "step")
         out = cupy.zeros(4, np.int32)
-        launch = PackedLaunch(kernel, (ParamBytes(self.slot.ctypes.data), out))
+        launches = []       # (struct words, launch), smallest first
+        for _, words in INLINE_STEP_KERNELS:
+            kernel = cupy.RawKernel(f'''
+                struct Snap {{ int w[{words}]; }};
+                extern "C" __global__ void step(const __grid_constant__ Snap s, int* out) {{ out[0] = s.w[0]; }}''',
+                                    "step")
+            launches.append((words, PackedLaunch(kernel, (ParamBytes(self.slot.ctypes.data), out))))
         stream = cupy.cuda.Stream(non_blocking=True)
         events = [cupy.cuda.Event(disable_timing=True) for _ in range(4)]
         for e in events:
             e.record(stream)
-        launch(1, stream.ptr)
+        for _, launch in launches:
+            launch(1, stream.ptr)
         stream.synchronize()
-        return rt, launch, stream, events
+        return rt, launches, stream, events
 
     def prepare(self) -> tuple:
         if not self.prev_finished:
@@ -105,19 +110,22 @@ class Floor:
         header = [0] * 24
         header[0], header[1], header[2], header[3] = 7, n, c, c
         HEADER.pack_into(self.slot, 0, *header)
-        np.concatenate((self.rows32, cells, values, self.cu, cap), out=self.slot[24:24 + 3 * n + 2 * c + 1],
-                       casting="unsafe")
+        words = 24 + 3 * n + 2 * c + 1
+        np.concatenate((self.rows32, cells, values, self.cu, cap), out=self.slot[24:words], casting="unsafe")
         if self.cuda is not None:
-            self.cuda_calls()
+            self.cuda_calls(words)
         self.prev_finished = False
         return rows, cap
 
-    def cuda_calls(self) -> None:
+    def cuda_calls(self, words: int) -> None:
         """The CUDA calls of a step: two polls, the wait for the previous finish, the launch, the ready."""
-        rt, launch, stream, events = self.cuda
+        rt, launches, stream, events = self.cuda
         rt.eventQuery(events[0].ptr)            # the oldest step in flight
         rt.eventQuery(events[1].ptr)            # the ring slot's last copy
         rt.streamWaitEvent(stream.ptr, events[2].ptr)     # the previous step's finish
+        for most, launch in launches:
+            if words <= most:
+                break
         launch(1, stream.ptr)
         rt.eventRecord(events[3].ptr, stream.ptr)         # ready
 

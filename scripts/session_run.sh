@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the step path, the examples, this tree against head_tree (an untracked
 # copy of an older commit) in one process, host_calls, the floor, and the targets benchmark. Logs under $OUT.
-# TESTS_K: the tests to run; AB=0, PARTS=0, FLOOR=0, BENCH=0 leave those parts out.
+# TESTS_K: the tests to run (TESTS_TIMEOUT: their limit, 240 s by default); AB=0, PARTS=0, FLOOR=0, BENCH=0 leave those parts out.
 set -u
 export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupykv_cache
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests -k "${TESTS_K:-cuda or quiet or fast_paths or races or staging or room}" >"$OUT/pytest.log" 2>&1
+timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests -k "${TESTS_K:-cuda or quiet or fast_paths or races or staging or room}" >"$OUT/pytest.log" 2>&1
 tail -n 2 "$OUT/pytest.log"
 scripts/gpu_suite.sh examples 2>&1 | grep "rc="
 if [ "${AB:-1}" = 1 ] && [ -d head_tree/cupykv ]; then

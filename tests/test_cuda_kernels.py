@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cupykv.backends.host import HostBackend
-from cupykv.kernels import INLINE_SNAPSHOT_WORDS
+from cupykv.kernels import INLINE_SNAPSHOT_WORDS, SMALL_INLINE_SNAPSHOT_WORDS
 from cupykv.layout import Layout
 from cupykv.pipeline import KernelConsts
 from cupykv.spec import CacheSpec
@@ -257,9 +257,10 @@ class StepBuffers:
         what the pipeline runs (on CUDA one cupykv_step launch, its snapshot copied by the kernel), with
         the hints as its counts, or as a graph replay sized by the buckets of the snapshot's counts when
         the hints are None; "inline": the same plan with the snapshot in the launch's parameters
-        (cupykv_step_inline) where it fits them, as the pipeline launches a small step."""
+        (cupykv_step_inline_small or cupykv_step_inline, the smallest it fits) where it fits them, as the
+        pipeline launches a small step; "inline_large": cupykv_step_inline whatever the snapshot's size."""
         be = self.backend
-        if path in ("plan", "inline"):
+        if path in ("plan", "inline", "inline_large"):
             slot = RingSlot([be], max(len(snap), INLINE_SNAPSHOT_WORDS))
             slot.host[:len(snap)] = snap
             plan = self.plan(slot, path)
@@ -289,6 +290,8 @@ class StepBuffers:
                                                       self.offsets, self.consts), self.shared)
         if path == "plan":
             plan.inline_words = 0
+        if path == "inline_large":
+            plan._inlines = [inline for inline in plan._inlines if inline[0] == INLINE_SNAPSHOT_WORDS]
         return plan
 
     def check(self, case, table: np.ndarray, what: str) -> None:
@@ -443,8 +446,8 @@ HINTS = {"none": lambda c: (None, None, None),
 
 # StepBuffers.run's paths with each hint; with no hints the plan replays a graph, which copies the snapshot
 # whichever the path
-PATH_HINTS = [(path, hints) for path in ("kernels", "plan", "inline") for hints in sorted(HINTS)
-              if (path, hints) != ("inline", "none")]
+PATH_HINTS = [(path, hints) for path in ("kernels", "plan", "inline", "inline_large") for hints in sorted(HINTS)
+              if hints != "none" or not path.startswith("inline")]
 
 
 @requires_gpu
@@ -454,15 +457,16 @@ PATH_HINTS = [(path, hints) for path in ("kernels", "plan", "inline") for hints 
 @pytest.mark.parametrize("path,hints", PATH_HINTS)
 def test_cuda_kernels_match_reference(rng, cuda_backend, spec_name, scenario, hints, null, path):
     """path "plan" is cupykv_step, the pipeline's one launch per step (eager, and captured into a graph with
-    the "none" hints), and "inline" cupykv_step_inline where the snapshot fits its parameters (most of these
-    cases; the long rows' do not), against the same oracle."""
+    the "none" hints), "inline" the smallest inline kernel the snapshot fits (cupykv_step_inline_small for
+    the cases without deltas and some with, cupykv_step_inline for most; the long rows' fit neither) and
+    "inline_large" cupykv_step_inline where the snapshot fits its parameters, against the same oracle."""
     check_backend(cuda_backend, rng, spec_name, scenario, HINTS[hints], null=null, path=path)
 
 
 @requires_gpu
 @pytest.mark.parametrize("table_blocks", [1, 2, 3, 7])
 @pytest.mark.parametrize("spec_name", sorted(SPECS))
-@pytest.mark.parametrize("path", ["kernels", "plan", "inline"])
+@pytest.mark.parametrize("path", ["kernels", "plan", "inline", "inline_large"])
 def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, table_blocks, path):
     """The FULL tables split each group's layers over as many threads per (group, entry, quad) as the grid
     has to spare (none, when the items outnumber the grid's threads and it strides over them): grids of a
@@ -497,22 +501,28 @@ def test_cuda_gate_holds_stream_until_opened(cuda_backend):
 
 
 @requires_gpu
-def test_an_inline_snapshot_is_the_slot_at_enqueue(rng, cuda_backend):
-    """cupykv_step_inline's snapshot is a launch parameter, which the driver copies when the launch is
+@pytest.mark.parametrize("inline", ["inline", "inline_large"])
+def test_an_inline_snapshot_is_the_slot_at_enqueue(rng, cuda_backend, inline):
+    """An inline kernel's snapshot is a launch parameter, which the driver copies when the launch is
     enqueued: the ring slot rewritten after the launch, while a gate still holds the stream, does not change
-    what the step builds. The control is the same plan without the inline launch (cupykv_step copies the slot
-    when it runs): the same rewrite reaches its tables, so the gate held both launches past the rewrite."""
+    what the step builds (the snapshot fits cupykv_step_inline_small; "inline_large" launches
+    cupykv_step_inline with it). The control is the same plan without the inline launch (cupykv_step copies
+    the slot when it runs): the same rewrite reaches its tables, so the gate held both launches past the
+    rewrite."""
     be, layout = cuda_backend, make_layout("swa128_full_x3")
     case = replaced(make_case(layout, rng, 3, 0), pad_to=0)
     moved = with_batch(case, np.roll(case.copy_idx, 1))      # the same rows, each at another entry
     first, second = pack(case, layout.num_groups, deltas=False), pack(moved, layout.num_groups, deltas=False)
-    assert len(first) == len(second) <= INLINE_SNAPSHOT_WORDS
+    assert len(first) == len(second) <= SMALL_INLINE_SNAPSHOT_WORDS
     built = {}
-    for path in ("inline", "plan"):
+    for path in (inline, "plan"):
         bufs = StepBuffers(be, layout, case, case.new, False, case.num_tokens + 5)
         slot = RingSlot([be], INLINE_SNAPSHOT_WORDS)
         slot.host[:len(first)] = first
         plan = bufs.plan(slot, path)
+        if path == inline:      # the struct the launch carries
+            assert plan.h2d_words(len(first)) == (INLINE_SNAPSHOT_WORDS if inline == "inline_large"
+                                                  else SMALL_INLINE_SNAPSHOT_WORDS)
         be.synchronize()
         gate = be.gate(be.stream)
         plan.run(be.stream, MODE_FULL, len(first), 0, case.num_seqs, case.num_tokens)
@@ -521,7 +531,7 @@ def test_an_inline_snapshot_is_the_slot_at_enqueue(rng, cuda_backend):
         be.synchronize()
         assert not gate.close_timeout_hit(), "the gate timed out: the launch may have run before the rewrite"
         built[path] = bufs
-    built["inline"].check(case, case.new, "inline launch, its slot rewritten after the enqueue")
+    built[inline].check(case, case.new, "inline launch, its slot rewritten after the enqueue")
     built["plan"].check(moved, case.new, "the control (the copy reads the rewritten slot)")
 
 

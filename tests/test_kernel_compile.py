@@ -84,7 +84,8 @@ def test_step_cu_relies_on_the_generated_constants():
 def test_no_cu_file_defines_a_shared_constant():
     """No .cu file defines (constexpr, #define, enum or assignment) a name the backend generates, so
     Python's value is the only one."""
-    generated = set(staging.kernel_constants()) | {"STEP_THREADS", "INLINE_SNAPSHOT_WORDS"}
+    generated = set(staging.kernel_constants()) | {"STEP_THREADS", "INLINE_SNAPSHOT_WORDS",
+                                                    "SMALL_INLINE_SNAPSHOT_WORDS"}
     files = sorted(kernels.KERNEL_DIR.glob("*.cu"))
     assert {f.name for f in files} == {m.file for m in kernels.MODULES.values()}, "a .cu file no module loads"
     for path in files:
@@ -193,24 +194,25 @@ def test_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     assert args[-1] is sync and args[1] is fixed[0] and args[3] is mirror
 
 
-def test_inline_step_launch_arguments_match_the_kernel_signature(monkeypatch):
-    """cupykv_step_inline takes the snapshot by value (INLINE_SNAPSHOT_WORDS words, read from the ring slot's
-    host address), then cupykv_step's arguments from the mirror on but the copy's; the phase grids the plan
+@pytest.mark.parametrize("kernel,words", kernels.INLINE_STEP_KERNELS)
+def test_inline_step_launch_arguments_match_the_kernel_signature(monkeypatch, kernel, words):
+    """Each inline step kernel takes the snapshot by value (its words, read from the ring slot's host
+    address), then cupykv_step's arguments from the mirror on but the copy's; the phase grids the plan
     sets sit at the same indices as in cupykv_step; and all its parameters fit in the 4 KB every CUDA device
     takes (a larger launch fails on older drivers and costs every launch the copy)."""
     import numpy as np
 
-    sizes = _kernel_param_sizes("cupykv_step_inline")       # skips without CuPy, before the import below
+    sizes = _kernel_param_sizes(kernel)       # skips without CuPy, before the import below
     from cupykv.backends import cuda
     _, mirror, fixed = _build_step_args(monkeypatch, null_slot=False)
     sync = np.zeros(4, np.int32)
     args = cuda._inline_launch_args(0x1000, fixed, np.int64(mirror.size), sync)
-    passed = [("b8", kernels.INLINE_SNAPSHOT_WORDS * 4) if isinstance(a, cuda.ParamBytes) else
+    passed = [("b8", words * 4) if isinstance(a, cuda.ParamBytes) else
               ("u64", 8) if isinstance(a, (np.ndarray, np.int64)) else
               ("u32", 4) if isinstance(a, np.int32) else (type(a).__name__, 0) for a in args]
     assert passed == sizes, f"launch arguments {passed} vs kernel parameters {sizes}"
     assert args[0].address == 0x1000 and args[1] is mirror and args[-1] is sync
-    names = re.findall(r"cupykv_step_inline\(([^)]*)\)", kernels.module_source("step"))[-1]
+    names = re.findall(kernel + r"\(([^)]*)\)", kernels.module_source("step"))[-1]
     names = [p.split()[-1].lstrip("*") for p in names.replace("\n", " ").split(",")]
     assert len(names) == len(args)
     for index, name in ((cuda.STEP_ARG_APPLY_BLOCKS, "apply_blocks"), (cuda.STEP_ARG_TABLE_BLOCKS, "table_blocks")):
@@ -219,4 +221,4 @@ def test_inline_step_launch_arguments_match_the_kernel_signature(monkeypatch):
     for kind, size in sizes:               # each parameter at its alignment: its size, the struct's 4
         align = 4 if kind == "b8" else size
         end = -(-end // align) * align + size
-    assert end <= 4096, f"cupykv_step_inline takes {end} bytes of parameters"
+    assert end <= 4096, f"{kernel} takes {end} bytes of parameters"

@@ -13,14 +13,14 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import cupy
 import cupyx
 import numpy as np
 from cupy.cuda import driver, runtime
 
-from ..kernels import (INLINE_SNAPSHOT_WORDS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
+from ..kernels import (INLINE_STEP_KERNELS, MODULES, OPTIONS as KERNEL_OPTIONS, STEP_SYNC_WORDS, STEP_THREADS,
                        TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of,
                        module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
@@ -376,7 +376,8 @@ class CudaStepPlan(StepPlan):
     delta apply and the build as phases of one grid), its arguments checked and packed once, so that run()
     is a cuLaunchKernel (or a cudaGraphLaunch) and an event record from the backend's pool, under one
     device scope. A launched (not replayed) step of at most `inline_words` words is a cupykv_step_inline
-    launch instead: its snapshot goes in the launch's parameters, and no phase reads it over the bus."""
+    launch instead (cupykv_step_inline_small where it fits that one's smaller struct): its snapshot goes in
+    the launch's parameters, and no phase reads it over the bus."""
 
     def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
         super().__init__(backend, twin, buffers, shared)
@@ -393,11 +394,12 @@ class CudaStepPlan(StepPlan):
             self._sync = backend.device_empty(STEP_SYNC_WORDS)     # cupykv_step's phase counters, zero between launches
             self._step = PackedLaunch(backend._kernel("cupykv_step"), _fused_launch_args(
                 host, fixed, np.int64(mirror.size), self._sync))
-            # The driver reads all INLINE_SNAPSHOT_WORDS words at the slot's address: only a slot that long
-            # can go in the parameters.
-            self.inline_words = INLINE_SNAPSHOT_WORDS if twin.host.size >= INLINE_SNAPSHOT_WORDS else 0
-            self._inline = PackedLaunch(backend._kernel("cupykv_step_inline"), _inline_launch_args(
-                host.value, fixed, np.int64(mirror.size), self._sync))
+            # An inline kernel's driver copy reads its whole snapshot struct at the slot's address: only the
+            # kernels whose struct the slot holds (smallest first, as (words, launch)).
+            self._inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
+                host.value, fixed, np.int64(mirror.size), self._sync)))
+                for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
+            self.inline_words = self._inlines[-1][0] if self._inlines else 0
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -409,10 +411,19 @@ class CudaStepPlan(StepPlan):
     def _goes_inline(self, words: int, graph: GraphBuckets) -> bool:
         return graph is None and words <= self.inline_words
 
+    def _inline_launch(self, words: int) -> Tuple[int, PackedLaunch]:
+        """(struct words, launch) of the smallest inline kernel that carries `words` (<= inline_words)."""
+        for inline in self._inlines:
+            if words <= inline[0]:
+                return inline
+        raise ValueError(f"step launch: {words} words do not fit an inline launch ({self.inline_words})")
+
     def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
-        """An inline launch takes the whole snapshot struct (INLINE_SNAPSHOT_WORDS words) in its parameters,
-        whatever the snapshot's size."""
-        return INLINE_SNAPSHOT_WORDS if self._goes_inline(words, graph) else super().h2d_words(words, graph)
+        """An inline launch takes its kernel's whole snapshot struct in its parameters, whatever the
+        snapshot's size."""
+        if self._goes_inline(words, graph):
+            return self._inline_launch(words)[0]
+        return super().h2d_words(words, graph)
 
     def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
         """An inline launch's snapshot is copied by the driver at enqueue: nothing reads the slot after it."""
@@ -454,7 +465,7 @@ class CudaStepPlan(StepPlan):
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
         apply, table, pos = fused_grid(self._grid, mode, num_entries, num_cells, num_tokens)
         if inline:
-            launch, copy = self._inline, 0
+            launch, copy = self._inline_launch(words)[1], 0
         else:
             launch, copy = self._step, min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
             launch.cells[STEP_ARG_COPY_WORDS].value = words

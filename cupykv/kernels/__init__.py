@@ -1,7 +1,7 @@
 """The CUDA C++ kernels of the CUDA backend, one file per user, and the exact source of each module.
 
 - step.cu: the per-step device work: cupykv_step (the pipeline's one launch per step; cupykv_step_inline
-  for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
+  and cupykv_step_inline_small for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
   (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
 - tier_copy.cu: the host tier's copies, both ways (cupykv_copy_runs).
@@ -34,6 +34,12 @@ STEP_SYNC_WORDS = 4
 # (128 bytes) within the 4 KB of parameters every CUDA device takes (more costs the launch: the driver copies
 # the whole struct into every launch).
 INLINE_SNAPSHOT_WORDS = 960
+# ... and a cupykv_step_inline_small launch: a small batch's decode step fits it (b1: 30-40 words), and the
+# driver's copy of a 0.6 KB parameter block costs the host less than that of a 3.9 KB one.
+SMALL_INLINE_SNAPSHOT_WORDS = 128
+# The inline step kernels, smallest first: (name, snapshot words it carries).
+INLINE_STEP_KERNELS = (("cupykv_step_inline_small", SMALL_INLINE_SNAPSHOT_WORDS),
+                       ("cupykv_step_inline", INLINE_SNAPSHOT_WORDS))
 
 # cupykv_copy_runs' launch, per direction: the fewest blocks that move about as much as the bus carries, which
 # leaves the other SMs to the model (docs/host_profile.md, "The host tier's copies by kernel, both ways"):
@@ -54,6 +60,7 @@ class KernelModule(NamedTuple):
 def _step_prelude() -> str:
     return (cuda_constants() + f"constexpr int STEP_THREADS = {STEP_THREADS};\n"
             f"constexpr int INLINE_SNAPSHOT_WORDS = {INLINE_SNAPSHOT_WORDS};\n"
+            f"constexpr int SMALL_INLINE_SNAPSHOT_WORDS = {SMALL_INLINE_SNAPSHOT_WORDS};\n"
             f"constexpr int STEP_SYNC_WORDS = {STEP_SYNC_WORDS};\n")
 
 
@@ -64,7 +71,7 @@ def _tier_copy_prelude() -> str:
 
 MODULES: Dict[str, KernelModule] = {
     "step": KernelModule("step.cu", ("cupykv_apply_deltas", "cupykv_build_step", "cupykv_step",
-                                    "cupykv_step_inline"), _step_prelude),
+                                    "cupykv_step_inline", "cupykv_step_inline_small"), _step_prelude),
     "kv_write": KernelModule("kv_write.cu", ("cupykv_write_kv_u16", "cupykv_write_kv_u32")),
     "tier_copy": KernelModule("tier_copy.cu", ("cupykv_copy_runs",), _tier_copy_prelude),
     "gate": KernelModule("gate.cu", ("cupykv_gate",)),

@@ -15,10 +15,10 @@
 // This file defines none of the constants it shares with Python. The snapshot header word indices (H_*),
 // HEADER_WORDS, MODE_FULL / MODE_DELTA (the header's H_MODE: FULL writes the batch's entries whole; DELTA
 // writes whole only the entries the host lists, contexts among them, and the changed cells of the others),
-// BAD, STEP_THREADS (the block size of every launch) and INLINE_SNAPSHOT_WORDS come from cupykv/staging.py,
-// cupykv/layout.py and cupykv/kernels/__init__.py: the backend generates `constexpr int NAME = value;` lines
-// and prepends them to this file when it loads the module (kernels.module_source("step") is the exact
-// source it compiles).
+// BAD, STEP_THREADS (the block size of every launch), INLINE_SNAPSHOT_WORDS and SMALL_INLINE_SNAPSHOT_WORDS
+// come from cupykv/staging.py, cupykv/layout.py and cupykv/kernels/__init__.py: the backend generates
+// `constexpr int NAME = value;` lines and prepends them to this file when it loads the module
+// (kernels.module_source("step") is the exact source it compiles).
 
 // slot * scale + offset. Unsigned arithmetic so that an out-of-range product wraps exactly like the
 // reference's int64 -> int32 store instead of being undefined behaviour.
@@ -547,17 +547,35 @@ cupykv_step(const int* host_snap, int* snap, int copy_words, int* mirror, long l
 // when the launch is enqueued, so this is a snapshot too, taken then; the phases read it from the constant
 // bank instead of reading pinned memory over the bus, and none of them waits for a copy. Its parameters
 // stay within the 4 KB every CUDA device takes (tests/test_kernel_compile.py checks the total).
+// cupykv_step_inline_small is the same for a snapshot of at most SMALL_INLINE_SNAPSHOT_WORDS words (a small
+// batch's decode step): the driver copies the whole parameter block into every launch, and a smaller block
+// costs the host less.
+template <int WORDS>
 struct InlineSnapshot {
-    int words[INLINE_SNAPSHOT_WORDS];
+    int words[WORDS];
 };
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
-cupykv_step_inline(const __grid_constant__ InlineSnapshot s, int* mirror, long long mirror_size, int* out,
-                   int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,
-                   const int* __restrict__ group_scale, const int* __restrict__ group_null,
-                   const int* __restrict__ group_layers, int num_layers, int num_groups, int rows,
-                   int max_batch, int B, int capacity, int tpb, int shared, int apply_blocks, int table_blocks,
-                   int* sync)
+cupykv_step_inline(const __grid_constant__ InlineSnapshot<INLINE_SNAPSHOT_WORDS> s, int* mirror,
+                   long long mirror_size, int* out, int* row_entry, int* pages, int* offsets,
+                   const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
+                   const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
+                   int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
+                   int apply_blocks, int table_blocks, int* sync)
+{
+    apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff,
+                    group_scale, group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity,
+                    tpb, shared, 0, apply_blocks, table_blocks, sync);
+    count_exit(sync);
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+cupykv_step_inline_small(const __grid_constant__ InlineSnapshot<SMALL_INLINE_SNAPSHOT_WORDS> s, int* mirror,
+                         long long mirror_size, int* out, int* row_entry, int* pages, int* offsets,
+                         const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
+                         const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
+                         int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
+                         int apply_blocks, int table_blocks, int* sync)
 {
     apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff,
                     group_scale, group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity,
