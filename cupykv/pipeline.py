@@ -158,6 +158,7 @@ class StepPipeline:
         words = snapshot_words(rows, 0, P, 0, RING_RUNS, RING_CELLS, most_rebuilt(rows), rows)
         self.ring = SnapshotRing(self.backends, words, ring_slots, max_ring_slots, timeout_s)
         self.entries = EntryMap(rows, rows)     # which output entry holds which row (its one owner)
+        self._graph_caps = (rows, spec.step_token_capacity)     # what graph buckets are capped at (the outputs')
         self.force_full = False      # a launch failed part-way: the outputs may hold anything
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
@@ -226,8 +227,7 @@ class StepPipeline:
         num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
         tokens = int(cu_tokens[-1])
         # Buckets keep the number of graphs small (every device has the same buffer sizes).
-        graph = graph_buckets(words, entries, tokens, slot.capacity, self.mirrors[0].consts.max_batch,
-                              self.mirrors[0].outputs.write_offsets.size) if self.use_graphs else None
+        graph = graph_buckets(words, entries, tokens, slot.capacity, *self._graph_caps) if self.use_graphs else None
         h2d_words = 0
         for m, twin, part in zip(self.mirrors, slot.twins, step.parts):
             plan = m.plan(twin)

@@ -41,6 +41,7 @@ there (e < live: copy_idx[e] == row, not a context) or held[e - live] == row. Th
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Dict, List, Optional, Sequence
 
@@ -89,11 +90,13 @@ def pow2_at_least(n: int) -> int:
 GRAPH_MIN_COPY_WORDS, GRAPH_MIN_TOKENS = 1024, 256
 
 
+@functools.lru_cache(maxsize=4096)
 def graph_buckets(words: int, entries: int, tokens: int, slot_capacity: int, max_batch: int,
                   token_capacity: int) -> tuple:
     """(copy words, batch bucket, token bucket) of the step graph that replays a step: each count rounded up
     to a power of two, capped at its buffer's size (the kernels read the true counts from the snapshot).
-    entries: the entries the step writes whole (0, a DELTA step that rebuilds none, stays 0)."""
+    entries: the entries the step writes whole (0, a DELTA step that rebuilds none, stays 0). Cached, as
+    a pure function: a step's counts are mostly the last one's."""
     return (min(pow2_at_least(max(words, GRAPH_MIN_COPY_WORDS)), slot_capacity),
             min(pow2_at_least(entries), max_batch) if entries else 0,
             min(pow2_at_least(max(tokens, GRAPH_MIN_TOKENS)), token_capacity))

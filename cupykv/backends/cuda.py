@@ -406,7 +406,8 @@ class CudaStepPlan(StepPlan):
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_koff,
                                consts.d_group_scale, consts.d_group_null, consts.d_group_layers, self._sync)
-        self._graph_key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
+        self._graph_key = backend._graph_key_id((tuple(_address(b) for b in self._graph_buffers), self.capacity,
+                                                 self.shared))
 
     def _goes_inline(self, words: int, graph: GraphBuckets) -> bool:
         return graph is None and words <= self.inline_words
@@ -558,6 +559,7 @@ class CudaBackend:
         self._modules: Dict[str, Dict[str, cupy.RawKernel]] = {}
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
+        self._graph_keys: dict = {}     # a plan's buffer addresses -> a small int (its graphs' keys hash that)
         self._memo_cache: dict = {}
         self._copy_ptrs: dict = {}
         self._kernels: dict = {}
@@ -852,6 +854,11 @@ class CudaBackend:
         return captured
 
     @property
+    def _graph_key_id(self, buffers: tuple) -> int:
+        """A small int for a plan's buffer addresses and sizes: the part of its graphs' keys fixed for the life
+        of the plan (hashing the addresses at every replay would cost the host more than the lookup)."""
+        return self._graph_keys.setdefault(buffers, len(self._graph_keys))
+
     def num_step_graphs(self) -> int:
         """Step graphs captured so far (each is kept for the life of the backend)."""
         return len(self._graphs)
