@@ -212,8 +212,10 @@ def test_inline_step_launch_arguments_match_the_kernel_signature(monkeypatch, ke
               ("u32", 4) if isinstance(a, np.int32) else (type(a).__name__, 0) for a in args]
     assert passed == sizes, f"launch arguments {passed} vs kernel parameters {sizes}"
     assert args[0].address == 0x1000 and args[1] is mirror and args[-1] is sync
-    names = re.findall(kernel + r"\(([^)]*)\)", kernels.module_source("step"))[-1]
-    names = [p.split()[-1].lstrip("*") for p in names.replace("\n", " ").split(",")]
+    source = kernels.module_source("step")
+    assert f"STEP_INLINE_KERNEL({kernel}, " in source      # both are made by one macro, from its parameter list
+    names = re.findall(r"\bNAME\(([^)]*)\)", source)[-1]
+    names = [p.split()[-1].lstrip("*") for p in names.replace("\\", " ").replace("\n", " ").split(",")]
     assert len(names) == len(args)
     for index, name in ((cuda.STEP_ARG_APPLY_BLOCKS, "apply_blocks"), (cuda.STEP_ARG_TABLE_BLOCKS, "table_blocks")):
         assert names[index] == name and isinstance(args[index], np.int32)

@@ -555,30 +555,21 @@ struct InlineSnapshot {
     int words[WORDS];
 };
 
-extern "C" __global__ void __launch_bounds__(STEP_THREADS)
-cupykv_step_inline(const __grid_constant__ InlineSnapshot<INLINE_SNAPSHOT_WORDS> s, int* mirror,
-                   long long mirror_size, int* out, int* row_entry, int* pages, int* offsets,
-                   const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
-                   const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
-                   int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
-                   int apply_blocks, int table_blocks, int* sync)
-{
-    apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff,
-                    group_scale, group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity,
-                    tpb, shared, 0, apply_blocks, table_blocks, sync);
-    count_exit(sync);
-}
+// An inline kernel for snapshot structs of WORDS words: cupykv_step's parameters from the mirror on but the
+// copy's block count, after the snapshot.
+#define STEP_INLINE_KERNEL(NAME, WORDS)                                                                           \
+    extern "C" __global__ void __launch_bounds__(STEP_THREADS)                                                    \
+    NAME(const __grid_constant__ InlineSnapshot<WORDS> s, int* mirror, long long mirror_size, int* out,           \
+         int* row_entry, int* pages, int* offsets, const int* __restrict__ layer_koff,                            \
+         const int* __restrict__ group_scale, const int* __restrict__ group_null,                                 \
+         const int* __restrict__ group_layers, int num_layers, int num_groups, int rows, int max_batch, int B,    \
+         int capacity, int tpb, int shared, int apply_blocks, int table_blocks, int* sync)                        \
+    {                                                                                                             \
+        apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets,          \
+                        layer_koff, group_scale, group_null, group_layers, num_layers, num_groups, rows,          \
+                        max_batch, B, capacity, tpb, shared, 0, apply_blocks, table_blocks, sync);                \
+        count_exit(sync);                                                                                         \
+    }
 
-extern "C" __global__ void __launch_bounds__(STEP_THREADS)
-cupykv_step_inline_small(const __grid_constant__ InlineSnapshot<SMALL_INLINE_SNAPSHOT_WORDS> s, int* mirror,
-                         long long mirror_size, int* out, int* row_entry, int* pages, int* offsets,
-                         const int* __restrict__ layer_koff, const int* __restrict__ group_scale,
-                         const int* __restrict__ group_null, const int* __restrict__ group_layers, int num_layers,
-                         int num_groups, int rows, int max_batch, int B, int capacity, int tpb, int shared,
-                         int apply_blocks, int table_blocks, int* sync)
-{
-    apply_and_build(take_ticket(sync), s.words, mirror, mirror_size, out, row_entry, pages, offsets, layer_koff,
-                    group_scale, group_null, group_layers, num_layers, num_groups, rows, max_batch, B, capacity,
-                    tpb, shared, 0, apply_blocks, table_blocks, sync);
-    count_exit(sync);
-}
+STEP_INLINE_KERNEL(cupykv_step_inline, INLINE_SNAPSHOT_WORDS)
+STEP_INLINE_KERNEL(cupykv_step_inline_small, SMALL_INLINE_SNAPSHOT_WORDS)
