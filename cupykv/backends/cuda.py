@@ -853,12 +853,12 @@ class CudaBackend:
                             captured += plan.capture(int(mode), (copy_words, seqs, tokens))
         return captured
 
-    @property
     def _graph_key_id(self, buffers: tuple) -> int:
         """A small int for a plan's buffer addresses and sizes: the part of its graphs' keys fixed for the life
         of the plan (hashing the addresses at every replay would cost the host more than the lookup)."""
         return self._graph_keys.setdefault(buffers, len(self._graph_keys))
 
+    @property
     def num_step_graphs(self) -> int:
         """Step graphs captured so far (each is kept for the life of the backend)."""
         return len(self._graphs)
