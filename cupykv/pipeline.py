@@ -81,14 +81,18 @@ class _ListSnapshot:
                cleared: Optional[np.ndarray], written) -> int:
         """Write `step`'s snapshot into `buf` (a ring slot; the deltas as pack_snapshot takes them); returns
         its words. buf then holds the template."""
+        quiet = self.words == self.list_words + 1       # the template's runs part is empty: run_coff = [0]
         if buf is not self.host:
-            buf[:self.words] = self.host[:self.words]
+            # The list part, and the empty runs part with it: the template's own deltas are not this step's,
+            # and buf is sized for this step's snapshot, which may be shorter than the template's.
+            n = self.words if quiet else self.list_words
+            buf[:n] = self.host[:n]
             self.host = buf
         buf[H_STEP] = step_word(step.id)
         buf[self._starts:self._starts + len(self.rows)] = step.start_positions
-        if len(cells) or cleared is not None or written is not None or self.words != self.list_words + 1:
+        if len(cells) or cleared is not None or written is not None or not quiet:
             self.words = pack_runs(buf, self.list_words, cells, values, cleared, written)
-        return self.words      # (list_words + 1: no runs, run_coff = [0])
+        return self.words
 
 
 class KernelConsts:

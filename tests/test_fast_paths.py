@@ -13,7 +13,7 @@ import pytest
 
 import cupykv
 from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
-from cupykv import staging
+from cupykv import pipeline, staging
 from conftest import Capture, expected_tables
 
 TPB = 8
@@ -869,3 +869,48 @@ def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots,
     bad = [i for ok, i, _ in repacked if not ok]
     with_deltas = sum(deltas for _, _, deltas in repacked)
     assert len(repacked) - with_deltas > 100 and with_deltas > 20 and not bad, (len(repacked), with_deltas, bad[:5])
+
+
+def test_a_list_step_after_one_with_many_deltas_fits_its_smaller_slot(backend_name):
+    """A step of the list whose previous step shipped many deltas (a prefix-cache hit's blocks, written into
+    another request's row by add()) grew its ring slot; the next step of the list, with few deltas, gets
+    another slot sized for its own snapshot. Its repack copies the list part, not the template's deltas,
+    and packs its own; every step's tables and write positions are the reference's. A repack that copies the
+    whole template there writes past the slot."""
+    spec = cupykv.CacheSpec(windows=[None, None], num_kv_heads=1, head_dim=4, tokens_per_block=16,
+                            max_seq_len=32768, max_batch=8, slots_per_group=8000, max_step_tokens=40000,
+                            prefix_caching=True)
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=2)
+    cap = Capture(mgr, write_positions=True)
+    rng = np.random.default_rng(0)
+    repacked, repack = [], pipeline._ListSnapshot.repack
+
+    def step(contexts, generation):
+        s = mgr.prepare_batch(contexts, generation)
+        cap.consume(s)
+        mgr.settle(s)
+        mgr.synchronize()       # every slot free again: the ring reuses them
+        return s
+    mgr.add("a", 20, tokens=rng.integers(0, 1000, 20))
+    step({"a": 20}, [])
+    tokens = rng.integers(0, 1000, 20000)
+    mgr.add("b", 20000, tokens=tokens)
+    for _ in range(20):         # chunks small enough for the ring's first slots
+        step({"b": 1000}, [])
+    for _ in range(3):
+        step({}, ["a"])
+    mgr.add("c", 20000, tokens=tokens)        # c's row gets b's 1250 cached blocks a group: written ranges
+
+    def counted(self, buf, step, *deltas):
+        repacked.append((self.words, len(buf)))
+        return repack(self, buf, step, *deltas)
+    pipeline._ListSnapshot.repack = counted
+    try:
+        for _ in range(4):
+            step({}, ["a"])
+    finally:
+        pipeline._ListSnapshot.repack = repack
+    # the first of these steps ships c's written ranges, and its snapshot is the next one's template; that
+    # one is repacked into a slot shorter than the template
+    assert any(words > size for words, size in repacked), repacked
+    assert cap.mismatches() == []
