@@ -262,13 +262,14 @@ def pack_runs(buf: np.ndarray, pos: int, cells, values, cleared=None, written=No
         num_cells = int(run_coff[-1])
     n = len(run_start)
     end = pos + 3 * n + 1 + len(shipped)
-    _RUNS_HEADER.pack_into(buf, H_NUM_RUNS * 4, n, num_cells, len(shipped), pos, pos + n, pos + 2 * n + 1,
+    _RUNS_HEADER.pack_into(buf, _LIST_HEADER.size, n, num_cells, len(shipped), pos, pos + n, pos + 2 * n + 1,
                            pos + 3 * n + 1)
     np.concatenate(runs, out=buf[pos:end])
     return end
 
 
-# The header's words as native int32 (the buffer's dtype): the list part's, and the runs part's from H_NUM_RUNS.
+# The header's words as native int32 (the buffer's dtype): the list part's, then the runs part's (H_NUM_RUNS on),
+# which start where the list part's bytes end.
 _LIST_HEADER = struct.Struct(f"={H_NUM_RUNS}i")
 _RUNS_HEADER = struct.Struct(f"={HEADER_WORDS - H_NUM_RUNS}i")
 
