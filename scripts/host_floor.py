@@ -10,8 +10,9 @@ batch, GPT-OSS-120B's two groups (a 128-token window and full attention), 32 tok
 
   prepare: the previous step was finished; each request's capacity + 1 within max_seq_len; the blocks the
     new tokens open, a slot of each group popped for each and written into the table and the dirty log; the
-    snapshot (a struct-packed header, then the batch's rows, the changed cells and their values, the
-    cumulative tokens and the start positions, concatenated into a pinned slot); on CUDA: the oldest
+    snapshot (a struct-packed header, then the batch's rows, the cumulative tokens and the start
+    positions, then the changed cells and their values, concatenated into a pinned slot, in the manager's
+    section order); on CUDA: the oldest
     in-flight step's finish and the ring slot's last copy polled, the wait for the previous finish, one
     launch of a kernel that takes the slot's first words as a parameter, as many as the smallest inline step
     kernel that carries the snapshot (kernels.INLINE_STEP_KERNELS) takes, the ready event; a record of the
@@ -111,7 +112,7 @@ class Floor:
         header[0], header[1], header[2], header[3] = 7, n, c, c
         HEADER.pack_into(self.slot, 0, *header)
         words = 24 + 3 * n + 2 * c + 1
-        np.concatenate((self.rows32, cells, values, self.cu, cap), out=self.slot[24:words], casting="unsafe")
+        np.concatenate((self.rows32, self.cu, cap, cells, values), out=self.slot[24:words], casting="unsafe")
         if self.cuda is not None:
             self.cuda_calls(words)
         self.prev_finished = False

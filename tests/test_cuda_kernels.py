@@ -289,7 +289,7 @@ class StepBuffers:
         plan = self.backend.step_plan(slot.twins[0], (self.mirror, self.out, self.row_entry, self.pages,
                                                       self.offsets, self.consts), self.shared)
         if path == "plan":
-            plan.inline_words = 0
+            plan._inlines = []
         if path == "inline_large":
             plan._inlines = [inline for inline in plan._inlines if inline[0] == INLINE_SNAPSHOT_WORDS]
         return plan

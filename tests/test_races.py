@@ -145,7 +145,7 @@ def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, monk
     backend_or_skip("cuda")
     from cupykv.backends.cuda import CudaStepPlan
     if variant != "inline":
-        monkeypatch.setattr(CudaStepPlan, "_goes_inline", lambda self, words, graph: False)
+        monkeypatch.setattr(CudaStepPlan, "_inline", lambda self, words, graph: None)
         monkeypatch.setattr(CudaStepPlan, "reads_slot", lambda self, words, graph=None: False)
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2)

@@ -375,9 +375,9 @@ class CudaStepPlan(StepPlan):
     """StepPlan on the CUDA backend: one cupykv_step launch per step (kernels/step.cu: the snapshot copy, the
     delta apply and the build as phases of one grid), its arguments checked and packed once, so that run()
     is a cuLaunchKernel (or a cudaGraphLaunch) and an event record from the backend's pool, under one
-    device scope. A launched (not replayed) step of at most `inline_words` words is a cupykv_step_inline
-    launch instead (cupykv_step_inline_small where it fits that one's smaller struct): its snapshot goes in
-    the launch's parameters, and no phase reads it over the bus."""
+    device scope. A launched (not replayed) step that fits an inline kernel's snapshot struct is a
+    cupykv_step_inline launch instead (cupykv_step_inline_small where it fits that one's smaller struct):
+    its snapshot goes in the launch's parameters, and no phase reads it over the bus."""
 
     def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
         super().__init__(backend, twin, buffers, shared)
@@ -399,7 +399,6 @@ class CudaStepPlan(StepPlan):
             self._inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
                 host.value, fixed, np.int64(mirror.size), self._sync)))
                 for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
-            self.inline_words = self._inlines[-1][0] if self._inlines else 0
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -409,26 +408,24 @@ class CudaStepPlan(StepPlan):
         self._graph_key = backend._graph_key_id((tuple(_address(b) for b in self._graph_buffers), self.capacity,
                                                  self.shared))
 
-    def _goes_inline(self, words: int, graph: GraphBuckets) -> bool:
-        return graph is None and words <= self.inline_words
-
-    def _inline_launch(self, words: int) -> Tuple[int, PackedLaunch]:
-        """(struct words, launch) of the smallest inline kernel that carries `words` (<= inline_words)."""
-        for inline in self._inlines:
-            if words <= inline[0]:
-                return inline
-        raise ValueError(f"step launch: {words} words do not fit an inline launch ({self.inline_words})")
+    def _inline(self, words: int, graph: GraphBuckets) -> Optional[Tuple[int, PackedLaunch]]:
+        """The one rule for how a step travels: (struct words, launch) of the smallest inline kernel that
+        carries `words`, or None for a step that is copied from the slot (too large, or a graph replay)."""
+        if graph is None:
+            for inline in self._inlines:
+                if words <= inline[0]:
+                    return inline
+        return None
 
     def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
         """An inline launch takes its kernel's whole snapshot struct in its parameters, whatever the
         snapshot's size."""
-        if self._goes_inline(words, graph):
-            return self._inline_launch(words)[0]
-        return super().h2d_words(words, graph)
+        inline = self._inline(words, graph)
+        return inline[0] if inline is not None else super().h2d_words(words, graph)
 
     def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
         """An inline launch's snapshot is copied by the driver at enqueue: nothing reads the slot after it."""
-        return not self._goes_inline(words, graph)
+        return self._inline(words, graph) is None
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None) -> CudaEvent:
@@ -436,7 +433,7 @@ class CudaStepPlan(StepPlan):
         with DeviceScope(be.device_id):
             if graph is None:
                 self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens,
-                              inline=self._goes_inline(words, graph))
+                              self._inline(words, graph))
             else:
                 key = self._key(mode, graph)
                 replay = be._graphs.get(key)
@@ -459,14 +456,16 @@ class CudaStepPlan(StepPlan):
         return self._graph_key, mode, seqs, tokens, copy_words
 
     def _enqueue(self, stream_ptr: int, mode: int, words: int, num_cells: Optional[int],
-                 num_entries: Optional[int], num_tokens: Optional[int], inline: bool = False) -> None:
+                 num_entries: Optional[int], num_tokens: Optional[int],
+                 inline: Optional[Tuple[int, PackedLaunch]] = None) -> None:
         """The step's launch, eager or into a capture. num_cells None: a graph's fixed apply grid; 0: no
-        apply blocks. inline: the snapshot in the launch's parameters (words <= inline_words), no copy."""
+        apply blocks. inline: None, or the inline kernel that _inline chose: the snapshot goes in the
+        launch's parameters, no copy."""
         if words > self._fits:
             raise ValueError(f"step copy: {words} words do not fit the ring slot ({self._fits})")
         apply, table, pos = fused_grid(self._grid, mode, num_entries, num_cells, num_tokens)
-        if inline:
-            launch, copy = self._inline_launch(words)[1], 0
+        if inline is not None:
+            launch, copy = inline[1], 0
         else:
             launch, copy = self._step, min(-(-words // COPY_WORDS_PER_BLOCK), COPY_MAX_BLOCKS)
             launch.cells[STEP_ARG_COPY_WORDS].value = words
