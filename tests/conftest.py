@@ -17,6 +17,25 @@ def graph_count(backend) -> int:
     return getattr(backend, "num_step_graphs", 0)
 
 
+def replay_every_step(monkeypatch) -> None:
+    """Make every step of a CUDA manager with use_graphs replay its graph, small ones too (by default a step
+    that fits the smallest inline kernel is launched instead: tests/test_staging.py checks that), for the
+    tests of the replays themselves. Nothing to do without a GPU."""
+    if cupykv.cuda_available():
+        from cupykv.backends.cuda import CudaStepPlan
+        inline = CudaStepPlan._inline
+        monkeypatch.setattr(CudaStepPlan, "_inline",
+                            lambda self, words, graph: None if graph is not None else inline(self, words, graph))
+
+
+@pytest.fixture
+def replays_when_graphs(request, monkeypatch):
+    """replay_every_step for the cases of a test parametrized by staging whose staging uses graphs."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and str(params.params.get("staging", "")).endswith("+graphs"):
+        replay_every_step(monkeypatch)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend_name(request):
     return backend_or_skip(request.param)

@@ -15,6 +15,8 @@ from cupykv.storage import KVStorage
 from oracle import Capture, check_slots
 
 STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
+# a "+graphs" case replays every step, small ones too: its steps test the replays (conftest.replays_when_graphs)
+pytestmark = pytest.mark.usefixtures("replays_when_graphs")
 
 
 def two_devices(backend_name: str) -> list:

@@ -21,10 +21,16 @@ import numpy as np
 import pytest
 
 import cupykv
-from conftest import backend_or_skip, expected_tables, graph_count
+from conftest import backend_or_skip, expected_tables, graph_count, replay_every_step
 from oracle import Capture
 
 PAD = 8          # the consumer's fixed batch size
+
+
+@pytest.fixture(autouse=True)
+def _replays(monkeypatch):
+    """Every step here replays its graph, small ones too (see replay_every_step)."""
+    replay_every_step(monkeypatch)
 
 CONSUMER = r"""
 extern "C" __global__ void read_through_tables(const int* tables, const float* pages, int page_elems,

@@ -22,7 +22,7 @@ from cupykv.interop import csr_views
 from cupykv.spec import CacheSpec
 from cupykv.staging import MODE_DELTA
 from cupykv.storage import KVStorage
-from conftest import backend_or_skip
+from conftest import backend_or_skip, replay_every_step
 from oracle import (Geometry, check_slots, expected_tables, expected_write_positions, null_slots,
                     reference_tables)
 
@@ -197,9 +197,11 @@ def run_workload(ls: Lockstep, num_steps=40):
 @pytest.mark.parametrize("pad", [0, 6], ids=["no_pad", "pad_to_6"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("run", RUNS, ids=["host", "cuda", "cuda_graphs"])
-def test_null_slot_tables_against_reference(run, mode, pad):
+def test_null_slot_tables_against_reference(run, mode, pad, monkeypatch):
     backend_name, use_graphs = run
     backend_or_skip(backend_name)
+    if use_graphs:              # every step replays, small ones too (the "cuda" run launches them)
+        replay_every_step(monkeypatch)
     ls = Lockstep(backend_name, mode, use_graphs, pad)
     run_workload(ls)
     mgr = ls.mgr

@@ -11,6 +11,8 @@ from conftest import backend_or_skip
 from oracle import Capture
 
 STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
+# a "+graphs" case replays every step, small ones too: its steps test the replays (conftest.replays_when_graphs)
+pytestmark = pytest.mark.usefixtures("replays_when_graphs")
 
 
 def make(backend_name, staging, **kw):
@@ -133,15 +135,17 @@ def test_pinned_pool_recycled(backend_name, staging):
     check(staging, step, bad)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "graphs"])
 @pytest.mark.parametrize("ring_slots", [1, 4])
 @pytest.mark.parametrize("variant", ["inline", "copy released at enqueue"])
-def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, monkeypatch):
+def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, graphs, monkeypatch):
     """A launched step whose snapshot goes in its launch's parameters (cupykv_step_inline; the driver copies
     them when it enqueues the launch) leaves nothing that reads its ring slot: the slot is free at once, so
     one slot serves every step behind a gate, each step's tables its own (with four slots the ring hands
-    that slot out again: SnapshotRing). The control releases the slot at enqueue for launches that copy it
-    when they run (cupykv_step): the next steps rewrite the slot before the gated copies read it, and the
-    test sees the wrong tables."""
+    that slot out again: SnapshotRing). With graphs these small steps are launched the same way. The
+    control releases the slot at enqueue for steps that copy it when they run (cupykv_step, or a graph
+    replay): the next steps rewrite the slot before the gated copies read it, and the test sees the wrong
+    tables."""
     backend_or_skip("cuda")
     from cupykv.backends.cuda import CudaStepPlan
     if variant != "inline":
@@ -150,8 +154,9 @@ def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, monk
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2)
     mgr = cupykv.KVCacheManager(spec, backend="cuda", ring_slots=ring_slots, max_ring_slots=ring_slots,
-                                staging_timeout_s=0.2)
+                                staging_timeout_s=0.2, use_graphs=graphs)
     warm(mgr, ["a", "b", "c"])
+    mgr.capture_graphs()        # the control's replays: none is captured behind the gate
 
     def then(cap):
         for batch in (["c", "a", "b"], ["b"], ["a", "c"], ["c", "b", "a"]):

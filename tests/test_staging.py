@@ -3,10 +3,11 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv.kernels import INLINE_SNAPSHOT_WORDS
+from cupykv.kernels import INLINE_SNAPSHOT_WORDS, SMALL_INLINE_SNAPSHOT_WORDS
 from cupykv.layout import BAD
 from cupykv.staging import (EACH_CELL_MAX, FILL_MIN_RUN, MODE_DELTA, MODE_FULL, pack_snapshot, run_values,
                             runs_from_cells, snapshot_runs, snapshot_words, unpack_snapshot)
+from conftest import backend_or_skip, graph_count
 from oracle import Capture
 
 
@@ -495,3 +496,40 @@ def test_the_ring_hands_out_an_unread_slot_again(backend_name, monkeypatch):
         assert taken == [slots[0]] * 5 + [slots[1]] and len(slots) == 3
     else:
         assert taken == [slots[0], slots[1], slots[2], slots[0], slots[3], slots[4]]
+
+
+def test_small_steps_launch_inline_under_graphs_too():
+    """With use_graphs, a step whose snapshot fits the smallest inline kernel (kernels.INLINE_STEP_KERNELS:
+    a small batch's decode step) is launched with the snapshot in its parameters instead of replayed: it
+    replays no graph, so it captures none, ships that kernel's struct and leaves its ring slot unread. A
+    larger step replays its graph (captured on first use) and ships its copy bucket. Every step's tables are
+    the reference's."""
+    backend_or_skip("cuda")
+    mgr = make("cuda", use_graphs=True)
+    rids = [f"r{i}" for i in range(20)]
+    for r in rids:
+        mgr.add(r, 16)
+    cap = Capture(mgr).reserve(8)
+    seen, taken, acquire = [], [], mgr.ring.acquire
+    mgr.ring.acquire = lambda words: taken.append(acquire(words)) or taken[-1]
+
+    def step(contexts, generation):
+        before = graph_count(mgr.backend)
+        s = mgr.prepare_batch(contexts, generation)
+        cap.consume(s)
+        seen.append((graph_count(mgr.backend) - before, mgr.h2d_bytes_last_step, taken[-1].unread()))
+        mgr.settle(s)
+
+    step({r: 16 for r in rids}, [])       # 20 contexts: a copied snapshot, a new graph
+    step({}, ["r0"])                      # one decode entry: inline
+    step({}, rids)                        # 20 entries, each opening a block: replayed
+    step({}, ["r3"])
+    step({}, rids[:2])
+    mgr.synchronize()
+    cap.stream.synchronize()
+    assert cap.mismatches() == []
+    small = (0, SMALL_INLINE_SNAPSHOT_WORDS * 4, True)
+    assert seen[1] == seen[3] == seen[4] == small, seen
+    assert seen[0][0] == 1 and seen[0][1] >= 4 * 1024 and not seen[0][2], seen
+    assert seen[2][1] >= 4 * 1024 and not seen[2][2], seen
+

@@ -410,11 +410,15 @@ class CudaStepPlan(StepPlan):
 
     def _inline(self, words: int, graph: GraphBuckets) -> Optional[Tuple[int, PackedLaunch]]:
         """The one rule for how a step travels: (struct words, launch) of the smallest inline kernel that
-        carries `words`, or None for a step that is copied from the slot (too large, or a graph replay)."""
-        if graph is None:
-            for inline in self._inlines:
-                if words <= inline[0]:
-                    return inline
+        carries `words`, or None for a step that is copied from the slot (too large, or a graph replay).
+
+        With graphs (graph: the step's buckets), only the smallest inline kernel takes a step from its
+        replay: its parameter block costs the host about what a replay costs, and the device a few
+        microseconds less, since a replay reads its snapshot over the bus; the large kernel's costs the
+        host more than a replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
+        for inline in (self._inlines if graph is None else self._inlines[:1]):
+            if words <= inline[0]:
+                return inline
         return None
 
     def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
@@ -431,9 +435,9 @@ class CudaStepPlan(StepPlan):
             graph: GraphBuckets = None) -> CudaEvent:
         be = self.backend
         with DeviceScope(be.device_id):
-            if graph is None:
-                self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens,
-                              self._inline(words, graph))
+            inline = self._inline(words, graph)
+            if graph is None or inline is not None:
+                self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens, inline)
             else:
                 key = self._key(mode, graph)
                 replay = be._graphs.get(key)
