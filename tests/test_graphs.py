@@ -425,6 +425,7 @@ if __name__ == "__main__":
         print(json.dumps(probe_host_waits()))
     else:
         argv = sys.argv[1:]
+        replay_every_step(pytest.MonkeyPatch())      # as the fixture does for the tests in this process
 
         def seconds(flag: str, default: float) -> float:
             return float(argv[argv.index(flag) + 1]) if flag in argv else default
