@@ -413,9 +413,9 @@ class CudaStepPlan(StepPlan):
         carries `words`, or None for a step that is copied from the slot (too large, or a graph replay).
 
         With graphs (graph: the step's buckets), only the smallest inline kernel takes a step from its
-        replay: its parameter block costs the host about what a replay costs, and the device a few
-        microseconds less, since a replay reads its snapshot over the bus; the large kernel's costs the
-        host more than a replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
+        replay: such a launch costs the device a few microseconds less than the replay, which reads its
+        snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
+        replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
         for inline in (self._inlines if graph is None else self._inlines[:1]):
             if words <= inline[0]:
                 return inline
