@@ -1,5 +1,5 @@
 """A small decode step under use_graphs, launched inline (what CudaStepPlan._inline chooses for a step that
-fits cupykv_step_inline_small) and replayed (_inline patched as tests/conftest.replay_every_step does),
+fits cupykv_step_inline_small) and replayed (CudaStepPlan.small_steps_inline_under_graphs off),
 alternating step by step on one manager in one process: prepare_batch's host time, and the step's device
 time between events around it while a gate holds the stream (as the benchmark measures it). Medians.
 
@@ -21,13 +21,11 @@ mgr = prefilled_manager(batch, "cuda")
 mgr.use_graphs = True
 mgr.capture_graphs()
 be, rids = mgr.backend, list(range(batch))
-inline = CudaStepPlan._inline
-replay = lambda self, words, graph: None if graph is not None else inline(self, words, graph)   # noqa: E731
 times = {"inline": ([], []), "replay": ([], [])}
 start, end = cupy.cuda.Event(), cupy.cuda.Event()
 for i in range(steps + 20):
     variant = "replay" if i % 4 in (1, 2) else "inline"       # ABBA: neither goes first more often
-    CudaStepPlan._inline = replay if variant == "replay" else inline
+    CudaStepPlan.small_steps_inline_under_graphs = variant == "inline"
     gate = be.gate(be.stream)
     start.record(be.stream)
     t0 = time.perf_counter()
@@ -41,7 +39,7 @@ for i in range(steps + 20):
     if i >= 20:
         times[variant][0].append(t1 - t0)
         times[variant][1].append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-CudaStepPlan._inline = inline
+CudaStepPlan.small_steps_inline_under_graphs = True
 print(f"batch {batch}, use_graphs, decode steps alternating (ABBA), medians of {steps // 2} each:")
 for variant, (host, device) in times.items():
     print(f"  {variant:7s} prepare_batch {np.median(host) * 1e6:6.1f} us   device {np.median(device):5.1f} us")

@@ -23,9 +23,7 @@ def replay_every_step(monkeypatch) -> None:
     tests of the replays themselves. Nothing to do without a GPU."""
     if cupykv.cuda_available():
         from cupykv.backends.cuda import CudaStepPlan
-        inline = CudaStepPlan._inline
-        monkeypatch.setattr(CudaStepPlan, "_inline",
-                            lambda self, words, graph: None if graph is not None else inline(self, words, graph))
+        monkeypatch.setattr(CudaStepPlan, "small_steps_inline_under_graphs", False)
 
 
 @pytest.fixture

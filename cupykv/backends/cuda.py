@@ -379,6 +379,11 @@ class CudaStepPlan(StepPlan):
     cupykv_step_inline launch instead (cupykv_step_inline_small where it fits that one's smaller struct):
     its snapshot goes in the launch's parameters, and no phase reads it over the bus."""
 
+    # With graphs, a step that fits the smallest inline kernel is launched, not replayed (_inline). False
+    # replays every step: for the graph tests, which are about replays, and scripts/graph_inline_ab.py's
+    # side of comparison.
+    small_steps_inline_under_graphs = True
+
     def __init__(self, backend: "CudaBackend", twin, buffers: tuple, shared: bool):
         super().__init__(backend, twin, buffers, shared)
         mirror, out, row_entry, pages, offsets, consts = buffers
@@ -416,7 +421,9 @@ class CudaStepPlan(StepPlan):
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
         snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
         replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
-        for inline in (self._inlines if graph is None else self._inlines[:1]):
+        kernels = (self._inlines if graph is None else
+                   self._inlines[:1] if self.small_steps_inline_under_graphs else ())
+        for inline in kernels:
             if words <= inline[0]:
                 return inline
         return None
