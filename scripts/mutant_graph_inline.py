@@ -6,6 +6,10 @@ under graphs replayed (the behaviour before small steps launched inline), the te
 import sys
 from pathlib import Path
 
+import cupykv  # noqa: E402
+
+if not cupykv.cuda_available():
+    sys.exit("needs a usable CUDA GPU (the test it runs is a CUDA test)")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import test_staging  # noqa: E402
 from cupykv.backends.cuda import CudaStepPlan  # noqa: E402

@@ -445,7 +445,7 @@ HINTS = {"none": lambda c: (None, None, None),
 
 
 # StepBuffers.run's paths with each hint; with no hints the plan replays a graph, which copies the snapshot
-# whichever the path
+# (only on the paths without inline kernels: on an inline path a step that fits the small one is launched)
 PATH_HINTS = [(path, hints) for path in ("kernels", "plan", "inline", "inline_large") for hints in sorted(HINTS)
               if hints != "none" or not path.startswith("inline")]
 

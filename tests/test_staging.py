@@ -522,7 +522,7 @@ def test_small_steps_launch_inline_under_graphs_too():
 
     step({r: 16 for r in rids}, [])       # 20 contexts: a copied snapshot, a new graph
     step({}, ["r0"])                      # one decode entry: inline
-    step({}, rids)                        # 20 entries, each opening a block: replayed
+    step({}, rids)                        # 20 entries, 19 opening a block: replayed
     step({}, ["r3"])
     step({}, rids[:2])
     mgr.synchronize()
