@@ -13,9 +13,9 @@ batch, GPT-OSS-120B's two groups (a 128-token window and full attention), 32 tok
     snapshot (a struct-packed header, then the batch's rows, the cumulative tokens and the start
     positions, then the changed cells and their values, concatenated into a pinned slot, in the manager's
     section order); on CUDA: the oldest in-flight step's finish and the ring slot's last copy polled, the
-    wait for the previous finish, one launch of a kernel that takes the slot's first words as a parameter, as many as the smallest inline step
-    kernel that carries the snapshot (kernels.INLINE_STEP_KERNELS) takes, the ready event; a record of the
-    step.
+    wait for the previous finish, one launch of a kernel that takes the slot's first words as a parameter,
+    as many as the smallest inline step kernel that carries the snapshot (kernels.INLINE_STEP_KERNELS)
+    takes, the ready event; a record of the step.
   settle: history advances by one token each; the window's blocks that fell out of it are cleared from the
     table, logged and quarantined.
 

@@ -1,8 +1,8 @@
 """The CUDA C++ kernels of the CUDA backend, one file per user, and the exact source of each module.
 
 - step.cu: the per-step device work: cupykv_step (the pipeline's one launch per step; cupykv_step_inline
-  and cupykv_step_inline_small for a small step, its snapshot in the launch's parameters), and its parts as kernels of their own
-  (cupykv_apply_deltas, cupykv_build_step).
+  and cupykv_step_inline_small for a small step, its snapshot in the launch's parameters), and its parts
+  as kernels of their own (cupykv_apply_deltas, cupykv_build_step).
 - kv_write.cu: KVStorage writes (cupykv_write_kv_u16, cupykv_write_kv_u32).
 - tier_copy.cu: the host tier's copies, both ways (cupykv_copy_runs).
 - gate.cu: the test gate (cupykv_gate).
