@@ -14,8 +14,9 @@ from conftest import backend_or_skip, graph_count
 from cupykv.storage import KVStorage
 from oracle import Capture, check_slots
 
-STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
-# a "+graphs" case replays every step, small ones too: its steps test the replays (conftest.replays_when_graphs)
+# "+graphs": use_graphs as a user gets it (small steps launched inline, larger ones replayed); "+replays":
+# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_when_graphs)
+STAGINGS = ["snapshot", "snapshot+graphs", "snapshot+replays", "unsafe"]
 pytestmark = pytest.mark.usefixtures("replays_when_graphs")
 
 
@@ -32,7 +33,7 @@ def make(backend_name, staging="snapshot", devices=None, ring_slots=4, **kw):
                             max_seq_len=1024, max_batch=8, slots_per_group=[160, 400, 200], max_rewind=3,
                             swa_scratch_reuse=True, dtype="float32", **kw)
     return cupykv.KVCacheManager(spec, backend=backend_name, staging=staging.split("+")[0],
-                                 use_graphs=staging.endswith("+graphs"), ring_slots=ring_slots,
+                                 use_graphs=staging.endswith(("+graphs", "+replays")), ring_slots=ring_slots,
                                  devices=devices if devices is not None else two_devices(backend_name))
 
 
@@ -67,7 +68,7 @@ def random_workload(mgr, rng, steps, consume):
                 mgr.free(r)
 
 
-@pytest.mark.parametrize("staging", ["snapshot", "snapshot+graphs"])
+@pytest.mark.parametrize("staging", ["snapshot", "snapshot+graphs", "snapshot+replays"])
 @pytest.mark.parametrize("null_slot", [False, True])
 def test_every_device_reads_the_reference_tables(backend_name, staging, null_slot):
     """Each device's tables and write positions equal the reference (oracle.expected_tables) at every step

@@ -10,15 +10,16 @@ import cupykv
 from conftest import backend_or_skip
 from oracle import Capture
 
-STAGINGS = ["snapshot", "snapshot+graphs", "unsafe"]
-# a "+graphs" case replays every step, small ones too: its steps test the replays (conftest.replays_when_graphs)
+# "+graphs": use_graphs as a user gets it (small steps launched inline, larger ones replayed); "+replays":
+# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_when_graphs)
+STAGINGS = ["snapshot", "snapshot+graphs", "snapshot+replays", "unsafe"]
 pytestmark = pytest.mark.usefixtures("replays_when_graphs")
 
 
 def make(backend_name, staging, **kw):
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2, **kw)
-    graphs = staging.endswith("+graphs")
+    graphs = staging.endswith(("+graphs", "+replays"))
     return cupykv.KVCacheManager(spec, backend=backend_name, staging=staging.split("+")[0], use_graphs=graphs)
 
 
