@@ -3,6 +3,8 @@ written as two flat functions with no layers, no general cases and no error mess
 manager's own step on the same host.
 
     python scripts/host_floor.py [batch ...]     (default 1 256)
+    python scripts/host_floor.py [--churn] [--context]     (the benchmark's churn step: ChurnFloor; its
+                                                           context step: ContextFloor)
 
 The step is the one scripts/host_calls.py times: a decode step (one token each) of the previous step's
 batch, GPT-OSS-120B's two groups (a 128-token window and full attention), 32 tokens a block, requests at
@@ -27,34 +29,37 @@ bad call an error. So this is a floor, not a rival: the manager's step cannot co
 import struct
 import sys
 import time
+from operator import itemgetter
 
 import numpy as np
 
 from cupykv.kernels import INLINE_STEP_KERNELS
 
-BAD, TPB, SHIFT, WINDOW, MAX_SEQ, BLOCKS, GROUPS = -1, 32, 5, 128, 32768, 1028, 2
+BAD, TPB, SHIFT, WINDOW, GROUPS = -1, 32, 5, 128, 2
 HEADER = struct.Struct("=24i")
 
 
 class Floor:
-    """The state a decode step reads and writes, as flat arrays."""
+    """The state a decode step reads and writes, as flat arrays: `batch` requests of `lengths` tokens (low,
+    high) on rows 0..batch-1, `spare` rows more for arrivals, sequences up to max_seq tokens."""
 
-    def __init__(self, batch: int, cuda: bool):
-        rng = np.random.default_rng(0)
+    def __init__(self, batch: int, cuda: bool, max_seq: int = 32768, lengths=(8192, 30000), spare: int = 0):
+        self.rng = np.random.default_rng(0)
+        self.max_seq, self.lengths = max_seq, lengths
+        self.blocks = max_seq // TPB + 4
+        rows = batch + spare
         self.rows = np.arange(batch, dtype=np.int64)
         self.rows32 = self.rows.astype(np.int32)
-        self.cap = rng.integers(8192, 30000, batch).astype(np.int64)
-        self.hist = self.cap.copy()
-        self.table = np.full((GROUPS, batch, BLOCKS), BAD, np.int32)
+        self.cap = np.zeros(rows, np.int64)
+        self.table = np.full((GROUPS, rows, self.blocks), BAD, np.int32)
         self.flat = self.table.reshape(-1)
-        slots = batch * BLOCKS * 2
+        slots = rows * self.blocks * 2
         self.stack, self.top = np.arange(slots, dtype=np.int32), slots
-        for r in range(batch):      # each request's blocks: the full group all of them, the window its last 5
-            n = -(-int(self.cap[r]) // TPB)
-            self.table[1, r, :n] = self.pop(n)
-            self.table[0, r, max(0, n - 5):n] = self.pop(min(n, 5))
-        self.stale_done = np.maximum(0, (self.hist + 1 - WINDOW) >> SHIFT)
-        self.group_base = (np.arange(GROUPS, dtype=np.int64) * batch * BLOCKS)[:, None]
+        self.stale_done = np.zeros(rows, np.int64)
+        for r in range(batch):
+            self.prefill(r, int(self.rng.integers(*lengths)))
+        self.hist = self.cap.copy()
+        self.group_base = (np.arange(GROUPS, dtype=np.int64) * rows * self.blocks)[:, None]
         self.log, self.quarantine = [], []
         self.cu = np.arange(batch + 1, dtype=np.int64)
         self.slot = np.zeros(16384, np.int32)
@@ -64,6 +69,15 @@ class Floor:
     def pop(self, k: int) -> np.ndarray:
         self.top -= k
         return self.stack[self.top:self.top + k]
+
+    def prefill(self, r: int, n: int) -> None:
+        """Row r holds a prompt of n tokens (not timed: a prefill step of its own): the full group's blocks all
+        of them, the window's those not yet stale (4 or 5)."""
+        nb = -(-n // TPB)
+        stale = self.stale_done[r] = max(0, (n + 1 - WINDOW) >> SHIFT)
+        self.table[1, r, :nb] = self.pop(nb)
+        self.table[0, r, stale:nb] = self.pop(nb - stale)
+        self.cap[r] = n
 
     def setup_cuda(self):
         import cupy
@@ -86,20 +100,23 @@ class Floor:
         for _, launch in launches:
             launch(1, stream.ptr)
         stream.synchronize()
-        return rt, launches, stream, events
+        return rt, launches, stream, events, cupy.empty(self.slot.size, np.int32)
 
-    def prepare(self) -> tuple:
+    def prepare(self, rows=None, rows32=None, extra=()) -> tuple:
+        """A decode step of one token each for rows (default: the fixed batch) and rows32 (the same, int32);
+        extra: more arrays for the snapshot, after the batch's sections."""
         if not self.prev_finished:
             raise RuntimeError("previous step not finished")
-        rows = self.rows
+        if rows is None:
+            rows, rows32 = self.rows, self.rows32
         cap = self.cap[rows]
         end = cap + 1
-        if end.max() > MAX_SEQ:
+        if end.max() > self.max_seq:
             raise RuntimeError("capacity")
         lo, hi = (cap + (TPB - 1)) >> SHIFT, (end + (TPB - 1)) >> SHIFT
         opened = (hi > lo).nonzero()[0]
         if len(opened):     # one token each: at most one new block per row
-            cells = (self.group_base + (rows[opened] * BLOCKS + lo[opened])).reshape(-1)
+            cells = (self.group_base + (rows[opened] * self.blocks + lo[opened])).reshape(-1)
             self.flat[cells] = self.pop(len(cells))
             self.log.append(cells)
         self.cap[rows] = end
@@ -110,22 +127,26 @@ class Floor:
         header = [0] * 24
         header[0], header[1], header[2], header[3] = 7, n, c, c
         HEADER.pack_into(self.slot, 0, *header)
-        words = 24 + 3 * n + 2 * c + 1
-        np.concatenate((self.rows32, self.cu, cap, cells, values), out=self.slot[24:words], casting="unsafe")
+        words = 24 + 3 * n + 2 * c + 1 + sum(a.size for a in extra)
+        np.concatenate((rows32, self.cu[:n + 1], cap, cells, values) + extra, out=self.slot[24:words],
+                       casting="unsafe")
         if self.cuda is not None:
             self.cuda_calls(words)
         self.prev_finished = False
         return rows, cap
 
     def cuda_calls(self, words: int) -> None:
-        """The CUDA calls of a step: two polls, the wait for the previous finish, the launch, the ready."""
-        rt, launches, stream, events = self.cuda
+        """The CUDA calls of a step: two polls, the wait for the previous finish, the launch (a snapshot too
+        large for every inline kernel copied first), the ready."""
+        rt, launches, stream, events, dev = self.cuda
         rt.eventQuery(events[0].ptr)            # the oldest step in flight
         rt.eventQuery(events[1].ptr)            # the ring slot's last copy
         rt.streamWaitEvent(stream.ptr, events[2].ptr)     # the previous step's finish
         for most, launch in launches:
             if words <= most:
                 break
+        else:
+            rt.memcpyAsync(dev.data.ptr, self.slot.ctypes.data, 4 * words, rt.memcpyHostToDevice, stream.ptr)
         launch(1, stream.ptr)
         rt.eventRecord(events[3].ptr, stream.ptr)         # ready
 
@@ -136,7 +157,7 @@ class Floor:
         done = self.stale_done[rows]
         moved = (end > done).nonzero()[0]
         if len(moved):      # one token each: at most one block per row falls out of the window
-            cells = rows[moved] * BLOCKS + done[moved]
+            cells = rows[moved] * self.blocks + done[moved]
             self.quarantine.append(self.flat[cells].copy())
             self.flat[cells] = BAD
             self.log.append(cells)
@@ -144,11 +165,301 @@ class Floor:
 
     def finish(self) -> None:
         self.prev_finished = True
-        if len(self.quarantine) > 8:        # lifted a few steps later
+        if len(self.quarantine) > 8:        # lifted a few steps later, ascending (the design is deterministic)
             freed = np.concatenate(self.quarantine)
+            freed.sort(kind="stable")
             self.quarantine.clear()
             self.stack[self.top:self.top + len(freed)] = freed
             self.top += len(freed)
+
+
+class ChurnFloor(Floor):
+    """The floor of the benchmark's churn step (GPT-OSS-120B's two groups, 128k, batch 256): before a decode
+    step of the whole list, k requests finish and k arrivals, prefilled in a step of their own (not timed),
+    take their places in the list. What it adds to the decode floor, timed as the benchmark times the
+    manager's schedule + prepare + settle:
+
+      schedule: each finished request's rows cleared (its full-attention blocks and its window's, each a run
+        of cells, cleared with a slice and logged as a range) and its slots quarantined; its row free.
+      prepare: the new list's lookup (ids to rows) and its duplicate and readiness checks; the entries whose
+        row changed (rebuilt whole by the kernel); the cleared ranges shipped beside the cells.
+      finish: the quarantine, lifted a few steps later, sorted back onto the free stack (as in the decode
+        floor; here it holds the finished requests' thousands of slots).
+    """
+
+    def __init__(self, batch: int, cuda: bool, max_seq: int = 131072, k: int = 2):
+        total = 2 * 120 + 16            # the benchmark's lengths: max_seq / 4 up to what its steps leave
+        super().__init__(batch, cuda, max_seq, (max_seq // 4, max_seq - total), spare=k)
+        self.k = k
+        self.ids = list(range(batch))               # the decode list, by request id
+        self.row_of = {r: r for r in self.ids}
+        self.prompt = self.cap.copy()
+        self.free_rows = list(range(batch, batch + k))
+        self.next_id = batch
+        self.prev_rows = self.rows
+        self.cleared = []                           # (lo, hi) flat ranges cleared since the last step
+
+    def arrive(self) -> list:
+        """Not timed: k arrivals prefilled on free rows; returns the list positions they take."""
+        pos = sorted(int(p) for p in self.rng.choice(len(self.ids), size=self.k, replace=False))
+        self.arrivals = []
+        for _ in pos:
+            rid, row = self.next_id, self.free_rows.pop()
+            self.next_id += 1
+            self.prefill(row, int(self.rng.integers(*self.lengths)))
+            self.prompt[row] = self.hist[row] = self.cap[row]
+            self.row_of[rid] = row
+            self.arrivals.append(rid)
+        return pos
+
+    def schedule(self, pos: list) -> None:
+        """The finished requests at positions pos freed; the arrivals take their places."""
+        for p, rid in zip(pos, self.arrivals):
+            row = self.row_of.pop(self.ids[p])
+            nb = -(-int(self.cap[row]) // TPB)
+            for lo, hi in ((row * self.blocks + int(self.stale_done[row]), row * self.blocks + nb),
+                           (self.group_base[1, 0] + row * self.blocks, self.group_base[1, 0] + row * self.blocks + nb)):
+                self.quarantine.append(self.flat[lo:hi].copy())
+                self.flat[lo:hi] = BAD
+                self.cleared.append((lo, hi))
+            self.free_rows.append(row)
+            self.ids[p] = rid
+
+    def prepare(self) -> tuple:
+        try:
+            rows = np.fromiter(itemgetter(*self.ids)(self.row_of), np.int64, len(self.ids))
+        except KeyError:
+            raise RuntimeError("unknown request") from None
+        if np.bincount(rows).max() > 1:
+            raise RuntimeError("a request twice")
+        if (self.cap[rows] < self.prompt[rows]).any():
+            raise RuntimeError("decoding before its prompt is scheduled")
+        rebuilt = (rows != self.prev_rows).nonzero()[0]
+        cleared = np.array(self.cleared, np.int64).reshape(-1)
+        self.cleared.clear()
+        self.prev_rows = rows
+        return super().prepare(rows, rows.astype(np.int32), (rebuilt, cleared))
+
+
+class ContextFloor(ChurnFloor):
+    """The floor of the benchmark's context step's prepare (its target's measure): a decode step of the list
+    (GPT-OSS-120B's two groups, 128k, batch 256; the same list every step, so not looked up again) plus one
+    chunk of up to `chunk` tokens for each of `contexts` prefilling requests. What it adds to the decode
+    floor's prepare, per chunk:
+
+      the request's lookup (id to row) and checks (not twice in the step, the chunk within its prompt);
+      the full-attention group's new blocks: slots popped as one run, written with a slice and logged as a
+        range (shipped whole);
+      the window group's new blocks that are stale by the time the chunk settles: mapped onto scratch slots
+        (popped, into the scratch metadata; 2 pages a block shared by the group's 18 layers), the rest of its
+        new blocks a run of own slots written as above;
+      the snapshot's context sections (tokens, start positions, scratch ranges and slots) and the written
+        ranges with their values; the snapshot copied, then one launch (too large for the inline kernels).
+
+    Its settle (not timed) releases each chunk row's window blocks that left it and the chunk's scratch slots;
+    a prefill that completes starts again with a new prompt on its row.
+    """
+
+    SCALE = 36                      # the window group's pages per slot: K and V of its 18 layers
+
+    def __init__(self, batch: int, cuda: bool, max_seq: int = 131072, contexts: int = 8, chunk: int = 8192):
+        super().__init__(batch, cuda, max_seq, k=contexts)
+        self.chunk = chunk
+        self.width = -(-2 * (chunk // TPB + 1) // self.SCALE)       # scratch slots of a chunk, at most
+        self.ctx_ids = []
+        for _ in range(contexts):       # staggered, as the benchmark's: some chunks already done
+            rid, row = self.next_id, self.free_rows.pop()
+            self.next_id += 1
+            self.row_of[rid] = row
+            self.ctx_ids.append(rid)
+            self.restart(row)
+        self.written, self.borrowed = [], []
+
+    def restart(self, row: int) -> None:
+        """A new prompt on `row` (not timed), its first chunks done."""
+        for g in range(GROUPS):
+            a = self.group_base[g, 0] + row * self.blocks
+            vals = self.flat[a:a + self.blocks]
+            self.quarantine.append(vals[vals != BAD].copy())
+            vals[:] = BAD
+        n = int(self.rng.integers(*self.lengths))
+        done = int(self.rng.integers(0, n // self.chunk)) * self.chunk
+        self.prompt[row] = n
+        self.cap[row] = self.hist[row] = self.stale_done[row] = 0
+        if done:
+            self.prefill(row, done)
+            self.hist[row] = done
+
+    def prepare(self) -> tuple:
+        C = len(self.ctx_ids)
+        ctx_rows, tokens = [], []
+        begs, ends = np.zeros(C, np.int32), np.zeros(C, np.int32)
+        scratch = np.zeros((C, self.width), np.int32)
+        for c, rid in enumerate(self.ctx_ids):
+            row = self.row_of[rid]
+            if row in ctx_rows:
+                raise RuntimeError("a request twice")
+            old = int(self.cap[row])
+            n = min(self.chunk, int(self.prompt[row]) - old)
+            lo, hi = (old + TPB - 1) >> SHIFT, (old + n + TPB - 1) >> SHIFT
+            a = self.group_base[1, 0] + row * self.blocks           # the full-attention group: one run
+            self.flat[a + lo:a + hi] = self.pop(hi - lo)
+            self.written.append((a + lo, a + hi))
+            s_hi = min(hi, max(lo, (old + n + 1 - WINDOW) >> SHIFT))    # the window's blocks stale at settle
+            if s_hi > lo:
+                k = -(-2 * (s_hi - lo) // self.SCALE)
+                scratch[c, :k] = self.pop(k)
+                self.borrowed.append(scratch[c, :k])
+                begs[c], ends[c] = lo, s_hi
+            a = row * self.blocks                                   # the window group: own slots past them
+            self.flat[a + s_hi:a + hi] = self.pop(hi - s_hi)
+            self.written.append((a + s_hi, a + hi))
+            self.cap[row] = old + n
+            ctx_rows.append(row)
+            tokens.append(n)
+        self.ctx_rows = ctx_rows
+        written = np.array(self.written, np.int64)
+        values = np.concatenate([self.flat[lo:hi] for lo, hi in self.written])
+        self.written.clear()
+        cleared = np.array(self.cleared, np.int64).reshape(-1)
+        self.cleared.clear()
+        cu = np.cumsum(tokens)
+        return Floor.prepare(self, self.rows, self.rows32,
+                             (cu, self.cap[ctx_rows], begs, ends, scratch.ravel(), written.ravel(), values, cleared))
+
+    def settle(self, rows: np.ndarray) -> None:
+        super().settle(rows)
+        for row in self.ctx_rows:
+            hist = self.hist[row] = self.cap[row]
+            if hist == self.prompt[row]:
+                self.restart(row)
+                continue
+            end = max(0, (int(hist) + 1 - WINDOW) >> SHIFT)
+            a = row * self.blocks
+            vals = self.flat[a + int(self.stale_done[row]):a + end]
+            held = vals[vals != BAD]
+            if len(held):
+                self.quarantine.append(held.copy())
+            vals[:] = BAD
+            self.cleared.append((a + int(self.stale_done[row]), a + end))
+            self.stale_done[row] = end
+        self.quarantine.extend(self.borrowed)
+        self.borrowed = []
+
+
+class Caches:
+    """The two conditions a step's host work is timed under, taken in turn in blocks of BLOCK steps whose
+    first WARM are not counted (so that a condition does not inherit the caches the one before left): "warm"
+    (nothing runs between the steps) and "cold" (a 64 MB pass over memory before the schedule and before the
+    settle: the benchmark runs its contenders, torch among them, between cupykv's prepare_batch and settle
+    and before its next schedule, and they leave the CPU caches about this cold: scripts/host_conditions.py)."""
+
+    BLOCK, WARM = 10, 3
+
+    def __init__(self):
+        self.big = np.zeros(64 << 18, np.int32)
+
+    def condition(self, i: int) -> str:
+        return "cold" if (i // self.BLOCK) % 2 else "warm"
+
+    def counted(self, i: int) -> bool:
+        return i % self.BLOCK >= self.WARM
+
+    def chill(self, condition: str) -> None:
+        if condition == "cold":
+            np.add(self.big, 1, out=self.big)
+
+
+def churn_times(floor: ChurnFloor, caches: Caches, start: int, steps: int, times: dict) -> None:
+    """Seconds of the floor's churn steps number start.. start + steps - 1 added to `times`, keyed (condition,
+    part), the part "sched", "decode" (the prepare) or "settle" (with the finish), as profile_churn.churn_times
+    keys the manager's."""
+    for i in range(start, start + steps):
+        pos = floor.arrive()
+        cond = caches.condition(i)
+        caches.chill(cond)
+        t0 = time.perf_counter()
+        floor.schedule(pos)
+        t1 = time.perf_counter()
+        rows, _ = floor.prepare()
+        t2 = time.perf_counter()
+        caches.chill(cond)
+        t3 = time.perf_counter()
+        floor.finish()
+        floor.settle(rows)
+        t4 = time.perf_counter()
+        if floor.cuda is not None:
+            floor.cuda[2].synchronize()
+        if caches.counted(i):
+            for part, t in (("sched", t1 - t0), ("decode", t2 - t1), ("settle", t4 - t3)):
+                times.setdefault((cond, part), []).append(t)
+
+
+def context_times(floor: ContextFloor, caches: Caches, start: int, steps: int, times: dict) -> None:
+    """Seconds of the floor's context steps' prepare, steps start.. start + steps - 1, added to `times` keyed
+    (condition, "prepare"), as profile_context.context_times keys the manager's."""
+    for i in range(start, start + steps):
+        cond = caches.condition(i)
+        caches.chill(cond)
+        t0 = time.perf_counter()
+        rows, _ = floor.prepare()
+        t1 = time.perf_counter()
+        floor.finish()
+        floor.settle(rows)
+        if floor.cuda is not None:
+            floor.cuda[2].synchronize()
+        if caches.counted(i):
+            times.setdefault((cond, "prepare"), []).append(t1 - t0)
+
+
+def context_report(cuda: bool, blocks: int = 16) -> None:
+    """The floor's context step and the manager's (the benchmark's workload, as churn_report), warm and cold:
+    medians of the prepare, their blocks of steps taken in turn."""
+    import profile_context
+    from profile_manager import host_workload
+    caches, block = Caches(), Caches.BLOCK
+    floor, floor_times, mgr_times = ContextFloor(256, cuda), {}, {}
+    wl = host_workload(contexts=8, backend="cuda" if cuda else "host", steps=(blocks + 2) * block)
+    profile_context.context_times(wl, 2 * block, caches=caches)          # not counted: warming up
+    context_times(floor, caches, 0, 2 * block, {})
+    for b in range(2, blocks + 2):
+        context_times(floor, caches, b * block, block, floor_times)
+        for k, v in profile_context.context_times(wl, block, b * block, caches=caches).items():
+            mgr_times.setdefault(k, []).extend(v)
+    print(f"context step (8 chunks of 8k + 256 decodes, 128k), {'with' if cuda else 'without'} CUDA calls: "
+          "prepare, medians (us)")
+    for name, times in (("floor", floor_times),
+                        (f"manager ({'CUDA' if cuda else 'host backend, no device work'})", mgr_times)):
+        print(f"  {name:40s} " + ", ".join(f"{cond} {float(np.median(times[(cond, 'prepare')])) * 1e6:.1f}"
+                                           for cond in ("warm", "cold"))
+              + f" ({len(times[('warm', 'prepare')])} steps each)")
+
+
+def churn_report(cuda: bool, blocks: int = 24) -> None:
+    """The floor's churn step and the manager's (the benchmark's workload; on the GPU when there is one, else
+    on the host backend with no device work), warm and cold, medians of each part. The two take their blocks
+    of steps in turn, so that the host's speed, which moves by up to 2x within minutes on the GPU machines,
+    moves both alike."""
+    import profile_churn
+    from profile_manager import host_workload
+    caches, block = Caches(), Caches.BLOCK
+    floor, floor_times = ChurnFloor(256, cuda), {}
+    wl = host_workload(backend="cuda" if cuda else "host", steps=(blocks + 2) * block)
+    mgr_times = profile_churn.churn_times(wl, 2 * block, caches=caches)          # not counted: warming up
+    churn_times(floor, caches, 0, 2 * block, {})
+    mgr_times = {}
+    for b in range(2, blocks + 2):
+        churn_times(floor, caches, b * block, block, floor_times)
+        for k, v in profile_churn.churn_times(wl, block, 0, caches=caches, start=b * block).items():
+            mgr_times.setdefault(k, []).extend(v)
+    rows = [("floor", floor_times), (f"manager ({'CUDA' if cuda else 'host backend, no device work'})", mgr_times)]
+    print(f"churn step, batch 256, 128k, {'with' if cuda else 'without'} CUDA calls: schedule + prepare + "
+          "settle, medians (us)")
+    for name, times in rows:
+        for cond in ("warm", "cold"):
+            parts = [float(np.median(times[(cond, p)])) * 1e6 for p in ("sched", "decode", "settle")]
+            print(f"  {name:40s} {cond}: {parts[0]:.1f} + {parts[1]:.1f} + {parts[2]:.1f} = {sum(parts):.1f} "
+                  f"({len(times[(cond, 'decode')])} steps)")
 
 
 def timed_floor_step(floor: Floor, wait: bool = False) -> tuple:
@@ -180,6 +491,12 @@ def main():
         cuda = False
     sys.path.insert(0, "scripts")
     from profile_manager import make_manager, timed_decode_step
+    if "--churn" in sys.argv or "--context" in sys.argv:
+        if "--churn" in sys.argv:
+            churn_report(cuda)
+        if "--context" in sys.argv:
+            context_report(cuda)
+        return
     for batch in [int(a) for a in sys.argv[1:]] or [1, 256]:
         floor = Floor(batch, cuda)
         fp, fs = medians_us(lambda: timed_floor_step(floor))

@@ -60,16 +60,19 @@ def stub_device_work(be) -> None:
     be.record = lambda *stream: _DoneEvent()     # (stream) on an instance, (self, stream) on the class
 
 
-def host_workload(seq: int = 131072, contexts: int = 0):
+def host_workload(seq: int = 131072, contexts: int = 0, backend: str = "host", steps: int = 60):
     """The benchmark's GPT-OSS-120B workload at batch 256 on the host backend, its queued device work no-ops
     from the start (the setup's prefill steps would build 128k tables on the host for minutes, and the
-    manager's decisions never read device outputs), set up for decode steps and `contexts` prefills."""
-    from cupykv.backends.host import HostBackend
+    manager's decisions never read device outputs), set up for decode steps and `contexts` prefills.
+    backend="cuda": on the GPU instead, device work and all. steps: how many decode steps its requests have
+    room for (a few more)."""
     from cupykv.bench.harness import SHAPES, Settings, Workload
-    stub_device_work(HostBackend)
+    if backend == "host":
+        from cupykv.backends.host import HostBackend
+        stub_device_work(HostBackend)
     shape = SHAPES["gpt-oss-120b"]
-    st = Settings(shapes=[shape.name], seqs=[seq], batches=[256], contexts=[contexts], steps=60, warmup=5,
-                  torch=False, backend="host")
+    st = Settings(shapes=[shape.name], seqs=[seq], batches=[256], contexts=[contexts], steps=steps, warmup=5,
+                  torch=False, backend=backend)
     wl = Workload(shape, seq, 256, contexts, st, np.random.default_rng(0))
     wl.setup_decode()
     if contexts:
