@@ -26,6 +26,7 @@ slot accounting of a step that may run out, the ledger and its quarantine liftin
 replays, contexts, scratch, prefix caching, the host tier, several devices, and every check that makes a
 bad call an error. So this is a floor, not a rival: the manager's step cannot cost less.
 """
+import ctypes
 import struct
 import sys
 import time
@@ -93,14 +94,17 @@ class Floor:
                 extern "C" __global__ void step(const __grid_constant__ Snap s, int* out) {{ out[0] = s.w[0]; }}''',
                                     "step")
             launches.append((words, PackedLaunch(kernel, (ParamBytes(self.slot.ctypes.data), out))))
+        kernel = cupy.RawKernel('extern "C" __global__ void step(const int* s, int* out) { out[0] = s[0]; }',
+                                "step")
+        reads_slot = PackedLaunch(kernel, (ctypes.c_uint64(self.slot.ctypes.data), out))
         stream = cupy.cuda.Stream(non_blocking=True)
         events = [cupy.cuda.Event(disable_timing=True) for _ in range(4)]
         for e in events:
             e.record(stream)
-        for _, launch in launches:
+        for _, launch in launches + [(0, reads_slot)]:
             launch(1, stream.ptr)
         stream.synchronize()
-        return rt, launches, stream, events, cupy.empty(self.slot.size, np.int32)
+        return rt, launches, stream, events, reads_slot
 
     def prepare(self, rows=None, rows32=None, extra=()) -> tuple:
         """A decode step of one token each for rows (default: the fixed batch) and rows32 (the same, int32);
@@ -136,9 +140,9 @@ class Floor:
         return rows, cap
 
     def cuda_calls(self, words: int) -> None:
-        """The CUDA calls of a step: two polls, the wait for the previous finish, the launch (a snapshot too
-        large for every inline kernel copied first), the ready."""
-        rt, launches, stream, events, dev = self.cuda
+        """The CUDA calls of a step: two polls, the wait for the previous finish, the launch (of a kernel that
+        reads the snapshot from the pinned slot when it is too large for every inline kernel), the ready."""
+        rt, launches, stream, events, reads_slot = self.cuda
         rt.eventQuery(events[0].ptr)            # the oldest step in flight
         rt.eventQuery(events[1].ptr)            # the ring slot's last copy
         rt.streamWaitEvent(stream.ptr, events[2].ptr)     # the previous step's finish
@@ -146,7 +150,7 @@ class Floor:
             if words <= most:
                 break
         else:
-            rt.memcpyAsync(dev.data.ptr, self.slot.ctypes.data, 4 * words, rt.memcpyHostToDevice, stream.ptr)
+            launch = reads_slot
         launch(1, stream.ptr)
         rt.eventRecord(events[3].ptr, stream.ptr)         # ready
 
@@ -165,38 +169,43 @@ class Floor:
 
     def finish(self) -> None:
         self.prev_finished = True
-        if len(self.quarantine) > 8:        # lifted a few steps later, ascending (the design is deterministic)
-            freed = np.concatenate(self.quarantine)
-            freed.sort(kind="stable")
-            self.quarantine.clear()
-            self.stack[self.top:self.top + len(freed)] = freed
-            self.top += len(freed)
+        if len(self.quarantine) > 8:        # lifted a few steps later
+            self.lift()
+
+    def lift(self) -> None:
+        """The quarantine's slots back onto the free stack, ascending (the design is deterministic)."""
+        freed = np.concatenate(self.quarantine)
+        freed.sort(kind="stable")
+        self.quarantine.clear()
+        self.stack[self.top:self.top + len(freed)] = freed
+        self.top += len(freed)
 
 
 class ChurnFloor(Floor):
     """The floor of the benchmark's churn step (GPT-OSS-120B's two groups, 128k, batch 256): before a decode
     step of the whole list, k requests finish and k arrivals, prefilled in a step of their own (not timed),
-    take their places in the list. What it adds to the decode floor, timed as the benchmark times the
-    manager's schedule + prepare + settle:
+    take their places in the list; the steps between are steady (the same list, not timed). What it adds to
+    the decode floor, timed as the benchmark times the manager's schedule + prepare + settle:
 
       schedule: each finished request's rows cleared (its full-attention blocks and its window's, each a run
         of cells, cleared with a slice and logged as a range) and its slots quarantined; its row free.
-      prepare: the new list's lookup (ids to rows) and its duplicate and readiness checks; the entries whose
-        row changed (rebuilt whole by the kernel); the cleared ranges shipped beside the cells.
-      finish: the quarantine, lifted a few steps later, sorted back onto the free stack (as in the decode
-        floor; here it holds the finished requests' thousands of slots).
+      prepare: the quarantine lifted, sorted back onto the free stack (every step before it has finished: the
+        finished requests' thousands of slots come back here, as they do in the manager's prepare); the new
+        list's lookup (ids to rows) and its duplicate and readiness checks, unless it equals the last list
+        checked; the entries whose row changed (rebuilt whole by the kernel); the cleared ranges shipped
+        beside the cells.
     """
 
     def __init__(self, batch: int, cuda: bool, max_seq: int = 131072, k: int = 2):
-        total = 2 * 120 + 16            # the benchmark's lengths: max_seq / 4 up to what its steps leave
-        super().__init__(batch, cuda, max_seq, (max_seq // 4, max_seq - total), spare=k)
+        room = 1024                     # tokens left for decode steps (the benchmark's lengths: max_seq / 4 up)
+        super().__init__(batch, cuda, max_seq, (max_seq // 4, max_seq - room), spare=k)
         self.k = k
         self.ids = list(range(batch))               # the decode list, by request id
         self.row_of = {r: r for r in self.ids}
         self.prompt = self.cap.copy()
         self.free_rows = list(range(batch, batch + k))
         self.next_id = batch
-        self.prev_rows = self.rows
+        self.checked, self.prev_rows = list(self.ids), self.rows     # the last list checked, its rows
         self.cleared = []                           # (lo, hi) flat ranges cleared since the last step
 
     def arrive(self) -> list:
@@ -212,40 +221,57 @@ class ChurnFloor(Floor):
             self.arrivals.append(rid)
         return pos
 
+    def free(self, p: int) -> int:
+        """The request at list position p finished: its rows cleared, its slots quarantined; returns its row,
+        now free."""
+        row = self.row_of.pop(self.ids[p])
+        nb = -(-int(self.cap[row]) // TPB)
+        full = self.group_base[1, 0] + row * self.blocks
+        for lo, hi in ((row * self.blocks + int(self.stale_done[row]), row * self.blocks + nb), (full, full + nb)):
+            self.quarantine.append(self.flat[lo:hi].copy())
+            self.flat[lo:hi] = BAD
+            self.cleared.append((lo, hi))
+        self.free_rows.append(row)
+        return row
+
     def schedule(self, pos: list) -> None:
         """The finished requests at positions pos freed; the arrivals take their places."""
         for p, rid in zip(pos, self.arrivals):
-            row = self.row_of.pop(self.ids[p])
-            nb = -(-int(self.cap[row]) // TPB)
-            for lo, hi in ((row * self.blocks + int(self.stale_done[row]), row * self.blocks + nb),
-                           (self.group_base[1, 0] + row * self.blocks, self.group_base[1, 0] + row * self.blocks + nb)):
-                self.quarantine.append(self.flat[lo:hi].copy())
-                self.flat[lo:hi] = BAD
-                self.cleared.append((lo, hi))
-            self.free_rows.append(row)
+            self.free(p)
             self.ids[p] = rid
 
-    def prepare(self) -> tuple:
-        try:
-            rows = np.fromiter(itemgetter(*self.ids)(self.row_of), np.int64, len(self.ids))
-        except KeyError:
-            raise RuntimeError("unknown request") from None
-        if np.bincount(rows).max() > 1:
-            raise RuntimeError("a request twice")
-        if (self.cap[rows] < self.prompt[rows]).any():
-            raise RuntimeError("decoding before its prompt is scheduled")
+    def finish(self) -> None:
+        self.prev_finished = True           # the quarantine is lifted in the next prepare
+
+    def prepare(self, extra=()) -> tuple:
+        if self.quarantine:
+            self.lift()
+        if self.ids == self.checked:
+            rows = self.prev_rows
+        else:
+            try:
+                rows = np.fromiter(itemgetter(*self.ids)(self.row_of), np.int64, len(self.ids))
+            except KeyError:
+                raise RuntimeError("unknown request") from None
+            if np.bincount(rows).max() > 1:
+                raise RuntimeError("a request twice")
+            if (self.cap[rows] < self.prompt[rows]).any():
+                raise RuntimeError("decoding before its prompt is scheduled")
+            self.checked = list(self.ids)
         rebuilt = (rows != self.prev_rows).nonzero()[0]
         cleared = np.array(self.cleared, np.int64).reshape(-1)
         self.cleared.clear()
         self.prev_rows = rows
-        return super().prepare(rows, rows.astype(np.int32), (rebuilt, cleared))
+        return super().prepare(rows, rows.astype(np.int32), (rebuilt, cleared) + extra)
 
 
 class ContextFloor(ChurnFloor):
     """The floor of the benchmark's context step's prepare (its target's measure): a decode step of the list
-    (GPT-OSS-120B's two groups, 128k, batch 256; the same list every step, so not looked up again) plus one
-    chunk of up to `chunk` tokens for each of `contexts` prefilling requests. What it adds to the decode
-    floor's prepare, per chunk:
+    (GPT-OSS-120B's two groups, 128k, batch 256) plus one chunk of up to `chunk` tokens for each of `contexts`
+    prefilling requests. A prefill that completes joins the list in place of a request that finishes, and a
+    new request arrives in its place, from its first chunk (as the benchmark's; not timed), so the next
+    prepare looks the changed list up and ships the finished request's cleared rows. What it adds to the
+    churn floor's prepare, per chunk:
 
       the request's lookup (id to row) and checks (not twice in the step, the chunk within its prompt);
       the full-attention group's new blocks: slots popped as one run, written with a slice and logged as a
@@ -254,10 +280,9 @@ class ContextFloor(ChurnFloor):
         (popped, into the scratch metadata; 2 pages a block shared by the group's 18 layers), the rest of its
         new blocks a run of own slots written as above;
       the snapshot's context sections (tokens, start positions, scratch ranges and slots) and the written
-        ranges with their values; the snapshot copied, then one launch (too large for the inline kernels).
+        ranges with their values, one launch whose kernel reads the snapshot from the pinned slot.
 
-    Its settle (not timed) releases each chunk row's window blocks that left it and the chunk's scratch slots;
-    a prefill that completes starts again with a new prompt on its row.
+    Its settle (not timed) releases each chunk row's window blocks that left it and the chunk's scratch slots.
     """
 
     SCALE = 36                      # the window group's pages per slot: K and V of its 18 layers
@@ -267,32 +292,26 @@ class ContextFloor(ChurnFloor):
         self.chunk = chunk
         self.width = -(-2 * (chunk // TPB + 1) // self.SCALE)       # scratch slots of a chunk, at most
         self.ctx_ids = []
-        for _ in range(contexts):       # staggered, as the benchmark's: some chunks already done
-            rid, row = self.next_id, self.free_rows.pop()
-            self.next_id += 1
-            self.row_of[rid] = row
-            self.ctx_ids.append(rid)
-            self.restart(row)
+        for _ in range(contexts):       # staggered, as the benchmark's setup: some chunks already done
+            n = int(self.rng.integers(*self.lengths))
+            self.ctx_ids.append(self.arrival(self.free_rows.pop(), n, int(self.rng.integers(0, n // chunk)) * chunk))
         self.written, self.borrowed = [], []
 
-    def restart(self, row: int) -> None:
-        """A new prompt on `row` (not timed), its first chunks done."""
-        for g in range(GROUPS):
-            a = self.group_base[g, 0] + row * self.blocks
-            vals = self.flat[a:a + self.blocks]
-            self.quarantine.append(vals[vals != BAD].copy())
-            vals[:] = BAD
-        n = int(self.rng.integers(*self.lengths))
-        done = int(self.rng.integers(0, n // self.chunk)) * self.chunk
+    def arrival(self, row: int, n: int, done: int = 0) -> int:
+        """A new request of n prompt tokens on `row` (not timed), `done` of them prefilled; returns its id."""
+        rid = self.next_id
+        self.next_id += 1
+        self.row_of[rid] = row
         self.prompt[row] = n
         self.cap[row] = self.hist[row] = self.stale_done[row] = 0
         if done:
             self.prefill(row, done)
             self.hist[row] = done
+        return rid
 
     def prepare(self) -> tuple:
         C = len(self.ctx_ids)
-        ctx_rows, tokens = [], []
+        ctx_rows, tokens, starts = [], [], []
         begs, ends = np.zeros(C, np.int32), np.zeros(C, np.int32)
         scratch = np.zeros((C, self.width), np.int32)
         for c, rid in enumerate(self.ctx_ids):
@@ -317,23 +336,18 @@ class ContextFloor(ChurnFloor):
             self.cap[row] = old + n
             ctx_rows.append(row)
             tokens.append(n)
+            starts.append(old)
         self.ctx_rows = ctx_rows
         written = np.array(self.written, np.int64)
         values = np.concatenate([self.flat[lo:hi] for lo, hi in self.written])
         self.written.clear()
-        cleared = np.array(self.cleared, np.int64).reshape(-1)
-        self.cleared.clear()
-        cu = np.cumsum(tokens)
-        return Floor.prepare(self, self.rows, self.rows32,
-                             (cu, self.cap[ctx_rows], begs, ends, scratch.ravel(), written.ravel(), values, cleared))
+        return ChurnFloor.prepare(self, (np.cumsum(tokens), np.array(starts), begs, ends, scratch.ravel(),
+                                         written.ravel(), values))
 
     def settle(self, rows: np.ndarray) -> None:
         super().settle(rows)
-        for row in self.ctx_rows:
+        for c, row in enumerate(self.ctx_rows):
             hist = self.hist[row] = self.cap[row]
-            if hist == self.prompt[row]:
-                self.restart(row)
-                continue
             end = max(0, (int(hist) + 1 - WINDOW) >> SHIFT)
             a = row * self.blocks
             vals = self.flat[a + int(self.stale_done[row]):a + end]
@@ -343,6 +357,11 @@ class ContextFloor(ChurnFloor):
             vals[:] = BAD
             self.cleared.append((a + int(self.stale_done[row]), a + end))
             self.stale_done[row] = end
+            if hist == self.prompt[row]:    # it joins the list in place of one that finishes; one arrives
+                p = int(self.rng.integers(len(self.ids)))
+                freed = self.free(p)
+                self.ids[p] = self.ctx_ids[c]
+                self.ctx_ids[c] = self.arrival(freed, int(self.rng.integers(*self.lengths)))
         self.quarantine.extend(self.borrowed)
         self.borrowed = []
 
@@ -350,9 +369,9 @@ class ContextFloor(ChurnFloor):
 class Caches:
     """The two conditions a step's host work is timed under, taken in turn in blocks of BLOCK steps whose
     first WARM are not counted (so that a condition does not inherit the caches the one before left): "warm"
-    (nothing runs between the steps) and "cold" (a 64 MB pass over memory before the schedule and before the
-    settle: the benchmark runs its contenders, torch among them, between cupykv's prepare_batch and settle
-    and before its next schedule, and they leave the CPU caches about this cold: scripts/host_conditions.py)."""
+    (nothing runs between the steps) and "cold" (a 64 MB pass over memory before the step's timed parts:
+    the benchmark runs its contenders, torch among them, between cupykv's prepare_batch and settle and
+    before its next schedule; scripts/host_conditions.py times a step after the same pass)."""
 
     BLOCK, WARM = 10, 3
 
@@ -371,12 +390,19 @@ class Caches:
 
 
 def churn_times(floor: ChurnFloor, caches: Caches, start: int, steps: int, times: dict) -> None:
-    """Seconds of the floor's churn steps number start.. start + steps - 1 added to `times`, keyed (condition,
-    part), the part "sched", "decode" (the prepare) or "settle" (with the finish), as profile_churn.churn_times
-    keys the manager's."""
+    """Seconds of the floor's steps number start.. start + steps - 1, as profile_churn.churn_times takes the
+    manager's: a churn step on each even number (timed: its parts "sched", "decode" (the prepare), "settle"
+    and their sum "total", added to `times` keyed (condition, part)), a steady one on each odd (not timed)."""
     for i in range(start, start + steps):
-        pos = floor.arrive()
         cond = caches.condition(i)
+        if i % 2:
+            caches.chill(cond)
+            rows, _ = floor.prepare()
+            floor.finish()
+            caches.chill(cond)
+            floor.settle(rows)
+            continue
+        pos = floor.arrive()
         caches.chill(cond)
         t0 = time.perf_counter()
         floor.schedule(pos)
@@ -391,7 +417,8 @@ def churn_times(floor: ChurnFloor, caches: Caches, start: int, steps: int, times
         if floor.cuda is not None:
             floor.cuda[2].synchronize()
         if caches.counted(i):
-            for part, t in (("sched", t1 - t0), ("decode", t2 - t1), ("settle", t4 - t3)):
+            for part, t in (("sched", t1 - t0), ("decode", t2 - t1), ("settle", t4 - t3),
+                            ("total", t2 - t0 + t4 - t3)):
                 times.setdefault((cond, part), []).append(t)
 
 
@@ -412,54 +439,54 @@ def context_times(floor: ContextFloor, caches: Caches, start: int, steps: int, t
             times.setdefault((cond, "prepare"), []).append(t1 - t0)
 
 
-def context_report(cuda: bool, blocks: int = 16) -> None:
-    """The floor's context step and the manager's (the benchmark's workload, as churn_report), warm and cold:
-    medians of the prepare, their blocks of steps taken in turn."""
-    import profile_context
-    from profile_manager import host_workload
-    caches, block = Caches(), Caches.BLOCK
-    floor, floor_times, mgr_times = ContextFloor(256, cuda), {}, {}
-    wl = host_workload(contexts=8, backend="cuda" if cuda else "host", steps=(blocks + 2) * block)
-    profile_context.context_times(wl, 2 * block, caches=caches)          # not counted: warming up
-    context_times(floor, caches, 0, 2 * block, {})
-    for b in range(2, blocks + 2):
-        context_times(floor, caches, b * block, block, floor_times)
-        for k, v in profile_context.context_times(wl, block, b * block, caches=caches).items():
-            mgr_times.setdefault(k, []).extend(v)
-    print(f"context step (8 chunks of 8k + 256 decodes, 128k), {'with' if cuda else 'without'} CUDA calls: "
-          "prepare, medians (us)")
+def floor_report(title: str, floor: Floor, floor_steps, wl, manager_steps, parts: tuple, cuda: bool,
+                 blocks: int) -> None:
+    """Print the medians of `parts` for the floor and the manager, warm and cold. Blocks of Caches.BLOCK steps
+    of the two in turn, ABBA (so that neither always comes first, and the host's speed, which moves by up to
+    2x within a minute on the GPU machines, moves both alike), after two blocks each not counted:
+    floor_steps(floor, caches, start, steps, times) adds the floor's to times, manager_steps(wl, start,
+    caches) returns the manager's, both keyed (condition, part)."""
+    caches, floor_times, mgr_times = Caches(), {}, {}
+
+    def floor_block(start, counted):
+        floor_steps(floor, caches, start, Caches.BLOCK, floor_times if counted else {})
+
+    def manager_block(start, counted):
+        for k, v in manager_steps(wl, start, caches).items():
+            if counted:
+                mgr_times.setdefault(k, []).extend(v)
+    for b in range(blocks + 2):
+        for run in ((floor_block, manager_block) if b % 2 == 0 else (manager_block, floor_block)):
+            run(b * Caches.BLOCK, b >= 2)
+    labels = {"total": "schedule + prepare + settle", "sched": "schedule", "decode": "prepare"}
+    print(f"{title}, {'with' if cuda else 'without'} CUDA calls: medians (us) of "
+          + " / ".join(labels.get(p, p) for p in parts))
     for name, times in (("floor", floor_times),
                         (f"manager ({'CUDA' if cuda else 'host backend, no device work'})", mgr_times)):
-        print(f"  {name:40s} " + ", ".join(f"{cond} {float(np.median(times[(cond, 'prepare')])) * 1e6:.1f}"
-                                           for cond in ("warm", "cold"))
-              + f" ({len(times[('warm', 'prepare')])} steps each)")
+        print(f"  {name:40s} " + "; ".join(
+            f"{cond} " + " / ".join(f"{float(np.median(times[(cond, p)])) * 1e6:.1f}" for p in parts)
+            for cond in ("warm", "cold")) + f" ({len(times[('warm', parts[0])])} steps each)")
+
+
+def context_report(cuda: bool, blocks: int = 16) -> None:
+    """The floor's context step and the manager's (the benchmark's workload, as churn_report): the prepare."""
+    import profile_context
+    from profile_manager import host_workload
+    wl = host_workload(contexts=8, backend="cuda" if cuda else "host", steps=(blocks + 2) * Caches.BLOCK)
+    floor_report("context step (8 chunks of 8k + 256 decodes, 128k)", ContextFloor(256, cuda), context_times,
+                 wl, lambda wl, start, caches: profile_context.context_times(wl, Caches.BLOCK, start, caches=caches),
+                 ("prepare",), cuda, blocks)
 
 
 def churn_report(cuda: bool, blocks: int = 24) -> None:
     """The floor's churn step and the manager's (the benchmark's workload; on the GPU when there is one, else
-    on the host backend with no device work), warm and cold, medians of each part. The two take their blocks
-    of steps in turn, so that the host's speed, which moves by up to 2x within minutes on the GPU machines,
-    moves both alike."""
+    on the host backend with no device work): the step's schedule + prepare + settle, then each."""
     import profile_churn
     from profile_manager import host_workload
-    caches, block = Caches(), Caches.BLOCK
-    floor, floor_times = ChurnFloor(256, cuda), {}
-    wl = host_workload(backend="cuda" if cuda else "host", steps=(blocks + 2) * block)
-    mgr_times = profile_churn.churn_times(wl, 2 * block, caches=caches)          # not counted: warming up
-    churn_times(floor, caches, 0, 2 * block, {})
-    mgr_times = {}
-    for b in range(2, blocks + 2):
-        churn_times(floor, caches, b * block, block, floor_times)
-        for k, v in profile_churn.churn_times(wl, block, 0, caches=caches, start=b * block).items():
-            mgr_times.setdefault(k, []).extend(v)
-    rows = [("floor", floor_times), (f"manager ({'CUDA' if cuda else 'host backend, no device work'})", mgr_times)]
-    print(f"churn step, batch 256, 128k, {'with' if cuda else 'without'} CUDA calls: schedule + prepare + "
-          "settle, medians (us)")
-    for name, times in rows:
-        for cond in ("warm", "cold"):
-            parts = [float(np.median(times[(cond, p)])) * 1e6 for p in ("sched", "decode", "settle")]
-            print(f"  {name:40s} {cond}: {parts[0]:.1f} + {parts[1]:.1f} + {parts[2]:.1f} = {sum(parts):.1f} "
-                  f"({len(times[(cond, 'decode')])} steps)")
+    wl = host_workload(backend="cuda" if cuda else "host", steps=(blocks + 2) * Caches.BLOCK)
+    floor_report("churn step, batch 256, 128k", ChurnFloor(256, cuda), churn_times, wl,
+                 lambda wl, start, caches: profile_churn.churn_times(wl, Caches.BLOCK, 0, caches=caches, start=start),
+                 ("total", "sched", "decode", "settle"), cuda, blocks)
 
 
 def timed_floor_step(floor: Floor, wait: bool = False) -> tuple:

@@ -22,11 +22,11 @@ def churn_times(wl, steps: int = 60, warm: int = 10, lp=None, caches=None, befor
                 start: int = 0) -> dict:
     """Seconds per step of the workload's decode-only steps number start.. start + steps - 1, those below
     `warm` not counted (the workload's untimed arrivals come before the even ones): prepare_batch per
-    case ("decode": a churn step; "steady"), and the churn steps' schedule and settle. lp: a line profiler
-    enabled around the churn steps' prepare_batch. caches: a host_floor.Caches, whose conditions the steps
-    take in turn: then the times are keyed (condition, part) and only its counted steps kept. before, after:
-    called before each step's schedule (after the untimed arrivals) and with (counted, case) after its settle
-    (counted: past the warm ones)."""
+    case ("decode": a churn step; "steady"), and the churn steps' schedule, settle and the three's "total".
+    lp: a line profiler enabled around the counted churn steps' prepare_batch. caches: a host_floor.Caches,
+    whose conditions the steps take in turn: then the times are keyed (condition, part) and only its counted
+    steps kept. before, after: called before each step's schedule (after the untimed arrivals) and with
+    (counted, case) after its settle (counted: past the warm ones)."""
     mgr = wl.mgr
     times = {}
     for i in range(start, start + steps):
@@ -39,10 +39,11 @@ def churn_times(wl, steps: int = 60, warm: int = 10, lp=None, caches=None, befor
         t0 = time.perf_counter()
         ctx, gen, case = wl.schedule_decode_only(pos)
         t1 = time.perf_counter()
-        if lp is not None and case == "decode":
+        profiled = lp is not None and case == "decode" and i >= warm
+        if profiled:
             lp.enable_by_count()
         s = mgr.prepare_batch(contexts=ctx, generation=gen)
-        if lp is not None and case == "decode":
+        if profiled:
             lp.disable_by_count()
         t2 = time.perf_counter()
         if cond is not None:
@@ -53,7 +54,8 @@ def churn_times(wl, steps: int = 60, warm: int = 10, lp=None, caches=None, befor
         t4 = time.perf_counter()
         s.ready.synchronize()           # as the benchmark's steps: each done before the next (not timed)
         if i >= warm and (cond is None or caches.counted(i)):
-            parts = [(case, t2 - t1)] + ([("sched", t1 - t0), ("settle", t4 - t3)] if case == "decode" else [])
+            parts = [(case, t2 - t1)] + ([("sched", t1 - t0), ("settle", t4 - t3), ("total", t2 - t0 + t4 - t3)]
+                                         if case == "decode" else [])
             for part, t in parts:
                 times.setdefault(part if cond is None else (cond, part), []).append(t)
         if after is not None:

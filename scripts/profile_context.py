@@ -19,30 +19,33 @@ from profile_manager import host_workload  # noqa: E402  (scripts/ is on sys.pat
 def context_times(wl, steps: int, start: int = 0, warm: int = 0, caches=None, lp=None) -> dict:
     """Seconds per part ("sched", "prepare", "settle") of the workload's context steps number start..
     start + steps - 1, those below `warm` not counted. caches: a host_floor.Caches, whose conditions the steps
-    take in turn (its pass just before the prepare): then the times are keyed (condition, part) and only its
-    counted steps kept. lp: a line profiler enabled around the prepare and settle."""
+    take in turn (its pass after the schedule, just before the prepare, not timed): then the times are keyed
+    (condition, part) and only its counted steps kept. lp: a line profiler enabled around the counted steps'
+    prepare and settle."""
     mgr = wl.mgr
     times = {}
     for i in range(start, start + steps):
         plan = wl.plan_ctx()
         t0 = time.perf_counter()
         wl.apply(mgr, plan)
+        t1 = time.perf_counter()
         cond = caches.condition(i) if caches is not None else None
         if cond is not None:
             caches.chill(cond)
-        t1 = time.perf_counter()
-        if lp is not None:
+        profiled = lp is not None and i >= warm
+        if profiled:
             lp.enable_by_count()
-        s = mgr.prepare_batch(contexts=plan.contexts, generation=plan.generation)
         t2 = time.perf_counter()
+        s = mgr.prepare_batch(contexts=plan.contexts, generation=plan.generation)
+        t3 = time.perf_counter()
         s.finish()
         mgr.settle(s)
-        t3 = time.perf_counter()
-        if lp is not None:
+        t4 = time.perf_counter()
+        if profiled:
             lp.disable_by_count()
         s.ready.synchronize()           # as the benchmark's steps: each done before the next (not timed)
         if i >= warm and (cond is None or caches.counted(i)):
-            for part, t in (("sched", t1 - t0), ("prepare", t2 - t1), ("settle", t3 - t2)):
+            for part, t in (("sched", t1 - t0), ("prepare", t3 - t2), ("settle", t4 - t3)):
                 times.setdefault(part if cond is None else (cond, part), []).append(t)
     return times
 

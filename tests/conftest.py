@@ -27,7 +27,7 @@ def replay_every_step(monkeypatch) -> None:
 
 
 @pytest.fixture
-def replays_when_graphs(request, monkeypatch):
+def replays_staging(request, monkeypatch):
     """replay_every_step for the cases of a test parametrized by staging whose staging ends in "+replays"."""
     params = getattr(request.node, "callspec", None)
     if params is not None and str(params.params.get("staging", "")).endswith("+replays"):

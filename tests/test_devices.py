@@ -15,9 +15,9 @@ from cupykv.storage import KVStorage
 from oracle import Capture, check_slots
 
 # "+graphs": use_graphs as a user gets it (small steps launched inline, larger ones replayed); "+replays":
-# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_when_graphs)
+# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_staging)
 STAGINGS = ["snapshot", "snapshot+graphs", "snapshot+replays", "unsafe"]
-pytestmark = pytest.mark.usefixtures("replays_when_graphs")
+pytestmark = pytest.mark.usefixtures("replays_staging")
 
 
 def two_devices(backend_name: str) -> list:

@@ -11,9 +11,9 @@ from conftest import backend_or_skip
 from oracle import Capture
 
 # "+graphs": use_graphs as a user gets it (small steps launched inline, larger ones replayed); "+replays":
-# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_when_graphs)
+# use_graphs with every step replayed, small ones too, to test the replays (conftest.replays_staging)
 STAGINGS = ["snapshot", "snapshot+graphs", "snapshot+replays", "unsafe"]
-pytestmark = pytest.mark.usefixtures("replays_when_graphs")
+pytestmark = pytest.mark.usefixtures("replays_staging")
 
 
 def make(backend_name, staging, **kw):

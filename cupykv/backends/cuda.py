@@ -404,7 +404,6 @@ class CudaStepPlan(StepPlan):
             self._inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
                 host.value, fixed, np.int64(mirror.size), self._sync)))
                 for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
-            self._smallest_inline = self._inlines[:1]       # the one a step under graphs may take (_inline)
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -423,7 +422,7 @@ class CudaStepPlan(StepPlan):
         snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
         replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
         kernels = (self._inlines if graph is None else
-                   self._smallest_inline if self.small_steps_inline_under_graphs else ())
+                   self._inlines[:1] if self.small_steps_inline_under_graphs else ())
         for inline in kernels:
             if words <= inline[0]:
                 return inline
