@@ -1,12 +1,13 @@
-"""The floor of a decode step's host work in CPython: the fewest operations any step of this design makes,
-written as two flat functions with no layers, no general cases and no error messages, timed beside the
-manager's own step on the same host.
+"""The floor of a step's host work in CPython: the fewest operations any step of this design makes, written
+flat, with no layers, no general cases and no error messages, timed beside the manager's own step on the
+same host. Floor is a decode step's (below); ChurnFloor and ContextFloor, built on it, the benchmark's churn
+step and its context step's prepare (their docstrings say what each adds).
 
     python scripts/host_floor.py [batch ...]     (default 1 256)
     python scripts/host_floor.py [--churn] [--context]     (the benchmark's churn step: ChurnFloor; its
                                                            context step: ContextFloor)
 
-The step is the one scripts/host_calls.py times: a decode step (one token each) of the previous step's
+The decode step is the one scripts/host_calls.py times: a decode step (one token each) of the previous step's
 batch, GPT-OSS-120B's two groups (a 128-token window and full attention), 32 tokens a block, requests at
 8k-30k tokens. What it keeps of a real step:
 
@@ -35,9 +36,10 @@ from operator import itemgetter
 import numpy as np
 
 from cupykv.kernels import INLINE_STEP_KERNELS
+from cupykv.staging import HEADER_WORDS
 
 BAD, TPB, SHIFT, WINDOW, GROUPS = -1, 32, 5, 128, 2
-HEADER = struct.Struct("=24i")
+HEADER = struct.Struct(f"={HEADER_WORDS}i")
 
 
 class Floor:
@@ -128,11 +130,11 @@ class Floor:
         values = self.flat[cells]
         self.log.clear()
         n, c = len(rows), len(cells)
-        header = [0] * 24
+        header = [0] * HEADER_WORDS
         header[0], header[1], header[2], header[3] = 7, n, c, c
         HEADER.pack_into(self.slot, 0, *header)
-        words = 24 + 3 * n + 2 * c + 1 + sum(a.size for a in extra)
-        np.concatenate((rows32, self.cu[:n + 1], cap, cells, values) + extra, out=self.slot[24:words],
+        words = HEADER_WORDS + 3 * n + 2 * c + 1 + sum(a.size for a in extra)
+        np.concatenate((rows32, self.cu[:n + 1], cap, cells, values) + extra, out=self.slot[HEADER_WORDS:words],
                        casting="unsafe")
         if self.cuda is not None:
             self.cuda_calls(words)

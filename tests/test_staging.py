@@ -466,6 +466,13 @@ def test_a_stale_step_plan_is_caught(backend_name, monkeypatch):
 
 
 
+def slots_taken(mgr, monkeypatch) -> list:
+    """The ring slots mgr's steps take from now on, in order (the list fills as they are acquired)."""
+    taken, acquire = [], mgr.ring.acquire
+    monkeypatch.setattr(mgr.ring, "acquire", lambda words: taken.append(acquire(words)) or taken[-1])
+    return taken
+
+
 def test_the_ring_hands_out_an_unread_slot_again(backend_name, monkeypatch):
     """acquire hands out the slot it handed out last again while nothing reads it (an inline launch's, on
     CUDA): a gated burst of small launched steps takes that one slot. Steps that read their slot (every step
@@ -473,8 +480,7 @@ def test_the_ring_hands_out_an_unread_slot_again(backend_name, monkeypatch):
     grows instead)."""
     mgr = make(backend_name, ring_slots=3)
     mgr.add("a", 16)
-    taken, acquire = [], mgr.ring.acquire
-    monkeypatch.setattr(mgr.ring, "acquire", lambda words: taken.append(acquire(words)) or taken[-1])
+    taken = slots_taken(mgr, monkeypatch)
 
     def step(contexts=()):
         s = mgr.prepare_batch(contexts, [] if contexts else ["a"])
@@ -498,7 +504,7 @@ def test_the_ring_hands_out_an_unread_slot_again(backend_name, monkeypatch):
         assert taken == [slots[0], slots[1], slots[2], slots[0], slots[3], slots[4]]
 
 
-def test_small_steps_launch_inline_under_graphs_too():
+def test_small_steps_launch_inline_under_graphs_too(monkeypatch):
     """With use_graphs, a step whose snapshot fits the smallest inline kernel (kernels.INLINE_STEP_KERNELS:
     a small batch's decode step) is launched with the snapshot in its parameters instead of replayed: it
     replays no graph, so it captures none, ships that kernel's struct and leaves its ring slot unread. A
@@ -510,8 +516,7 @@ def test_small_steps_launch_inline_under_graphs_too():
     for r in rids:
         mgr.add(r, 16)
     cap = Capture(mgr).reserve(8)
-    seen, taken, acquire = [], [], mgr.ring.acquire
-    mgr.ring.acquire = lambda words: taken.append(acquire(words)) or taken[-1]
+    seen, taken = [], slots_taken(mgr, monkeypatch)
 
     def step(contexts, generation):
         before = graph_count(mgr.backend)
