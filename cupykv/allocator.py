@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from itertools import repeat
-from typing import Callable, Deque, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +29,11 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     sort and a compare cost a fraction of np.unique here."""
     s = np.sort(a)
     return s if _no_repeats(s) else s[np.concatenate(([True], s[1:] != s[:-1]))]
+
+
+def _joined(parts: List[np.ndarray]) -> np.ndarray:
+    """The parts of a quarantine entry as one array, in release order (the one part itself if alone)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _first_occurrences(a: np.ndarray) -> np.ndarray:
@@ -54,7 +59,10 @@ class SlotPool:
         self.total = num_slots
         self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int32)  # top of the stack at the end
         self._top = num_slots
-        self._quarantine: Deque[Tuple[int, np.ndarray]] = deque()     # (tag, slots), tags ascending
+        # (tag, the slots of each release under it, in release order), tags ascending: kept as parts and joined
+        # when they are lifted, so that n releases between two steps (a burst of frees) copy each slot once,
+        # not once for every release after it
+        self._quarantine: Deque[Tuple[int, List[np.ndarray]]] = deque()
         self.num_quarantined = 0
 
     @property
@@ -82,16 +90,17 @@ class SlotPool:
 
     def _enter_quarantine(self, slots: np.ndarray, tag: int) -> None:
         if self._quarantine and self._quarantine[-1][0] == tag:
-            self._quarantine[-1] = (tag, np.concatenate((self._quarantine[-1][1], slots)))
+            self._quarantine[-1][1].append(slots)
         else:
-            self._quarantine.append((tag, slots))
+            self._quarantine.append((tag, [slots]))
         self.num_quarantined += len(slots)
 
     def reclaim(self, finished_through: int) -> int:
         """Lift the quarantine of entries with tag <= finished_through; returns how many slots."""
         moved = 0
         while self._quarantine and self._quarantine[0][0] <= finished_through:
-            moved += self._lift(*self._quarantine.popleft())
+            tag, parts = self._quarantine.popleft()
+            moved += self._lift(tag, _joined(parts))
         self.num_quarantined -= moved
         return moved
 
@@ -114,16 +123,18 @@ class SlotPool:
 
     def quarantined_through(self, tag: int) -> int:
         """Slots that reclaim(tag) would lift."""
-        return sum(len(s) for t, s in self._quarantine if t <= tag)
+        return sum(len(s) for t, parts in self._quarantine if t <= tag for s in parts)
 
     def quarantined_slots(self) -> np.ndarray:
-        return np.concatenate([s for _, s in self._quarantine]) if self._quarantine else np.empty(0, np.int32)
+        return (np.concatenate([s for _, parts in self._quarantine for s in parts]) if self._quarantine
+                else np.empty(0, np.int32))
 
     def free_slots(self) -> np.ndarray:
         return self._stack[:self._top].copy()
 
     def state(self) -> tuple:
-        return (self._stack[:self._top].tobytes(), tuple((t, s.tobytes()) for t, s in self._quarantine))
+        return (self._stack[:self._top].tobytes(),
+                tuple((t, b"".join(s.tobytes() for s in parts)) for t, parts in self._quarantine))
 
 
 class CachingSlotPool(SlotPool):
@@ -226,7 +237,8 @@ class CachingSlotPool(SlotPool):
 
     def quarantined_through(self, tag: int) -> int:
         # each slot once: hit and released again under the same tag, it is in its entry twice
-        return sum(len(_distinct(s[self.qtag[s] == t])) for t, s in self._quarantine if t <= tag)
+        return sum(len(_distinct(s[self.qtag[s] == t])) for t, s in
+                   ((t, _joined(parts)) for t, parts in self._quarantine) if t <= tag)
 
     def quarantined_slots(self) -> np.ndarray:
         return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)

@@ -20,15 +20,16 @@ class Residence:
     def __init__(self, manager):
         self.layout, self.requests, self.table = manager.layout, manager.requests, manager.page_table
         self.pools, self.ledger = manager.pools, manager.ledger
-        self._release_row = manager._release_row
+        self._release_row, self._row_span = manager._release_row, manager._row_span
 
     def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
         """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
         blocks for full attention; the sinks and the window for a sliding window)."""
         row, table = self.requests.get(rid).row, self.table
+        span = self._row_span(row)
         out = []
         for p in range(self.layout.num_groups):
-            cells = table.row_cells(p, row)
+            cells = table.row_cells(p, row, span)
             out.append((cells - table.cells(p, row, 0), table.flat[cells].copy()))
         return out
 

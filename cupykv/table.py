@@ -41,10 +41,11 @@ class PageTable:
         """Flat index of table[p, row, 0] (a Python int)."""
         return self._base[p] + row * self.max_blocks
 
-    def row_cells(self, p: int, row: int) -> np.ndarray:
-        """Flat indices of the held (non-BAD) cells of one row of group p."""
+    def row_cells(self, p: int, row: int, hi: Optional[int] = None) -> np.ndarray:
+        """Flat indices of the held (non-BAD) cells of one row of group p, among its blocks [0, hi) (default:
+        the whole row)."""
         start = self.row_start(p, row)
-        return (self.flat[start:start + self.max_blocks] != BAD).nonzero()[0] + start
+        return (self.flat[start:start + (self.max_blocks if hi is None else hi)] != BAD).nonzero()[0] + start
 
     def take_blocks(self, p: int, row: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
         """Clear blocks [lo, hi) of one row of group p (default: the whole row) in one pass; returns the

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from cupykv import CacheSpec, KVCacheManager, OutOfSlotsError
 from cupykv.allocator import CachingSlotPool, SlotPool, _distinct, _first_occurrences
-from oracle import check_stats, held_slots
+from oracle import check_slots, check_stats, held_slots
 
 
 # --------------------------------------------------------------------------------------------------
@@ -463,3 +463,63 @@ def test_a_shortage_the_quarantine_cannot_cover_fails_without_waiting(monkeypatc
     assert waited == [], "waited for finish events whose quarantine cannot cover the shortfall"
     assert group_stat(mgr, "quarantined") == [4, 4]
     gate.open()
+
+
+# --------------------------------------------------------------------------------------------------
+# A freed or suspended request's row: scanned up to its capacity's last block, cleared whole
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_freed_row_is_cleared_up_to_its_capacitys_last_block(caching):
+    # Rows far shorter than max_blocks, whose capacity ends inside a block, at a block's end, after a rewind
+    # and after a prefix hit: free() scans each row only up to its capacity's last block, and must still
+    # clear every cell that holds a slot (a scan that stopped a block short would leave the partial block's
+    # slot in a free row).
+    mgr = small_mgr(max_seq_len=4096, windows=[32, None], slots_per_group=512, max_batch=6, max_rewind=6,
+                    prefix_caching=caching)
+    tpb = mgr.layout.tpb
+    lengths = {"inside": 3 * tpb + 5, "edge": 4 * tpb, "rewound": 2 * tpb - 1, "hit": 3 * tpb + 5}
+    first = {"inside": 0, "edge": 1000, "rewound": 2000, "hit": 0}      # "hit" repeats "inside"'s prompt
+    for rid, n in lengths.items():
+        tokens = np.arange(first[rid], first[rid] + n, dtype=np.int64)
+        cached = mgr.add(rid, n, **(dict(tokens=tokens) if caching else {}))
+        assert cached == (3 * tpb if caching and rid == "hit" else 0)
+        s = mgr.prepare_batch(contexts={rid: n - cached})
+        s.finish()
+        mgr.settle(s)
+    s = mgr.prepare_batch(generation=list(lengths), num_gen_tokens=3)    # "rewound" opens a block
+    s.finish()
+    mgr.settle(s, accepted={"inside": 3, "edge": 1, "rewound": 1, "hit": 2})   # ...and gives it back
+    rows = {rid: mgr.request(rid).row for rid in lengths}
+    assert mgr.request("rewound").capacity == 2 * tpb
+    spans = {rid: -(-mgr.request(rid).capacity // tpb) for rid in lengths}
+    for rid, row in rows.items():
+        held = [np.flatnonzero(mgr.table[p, row] != -1) for p in range(2)]
+        assert held[1].max() == spans[rid] - 1          # the last block of its capacity holds a slot
+        mgr.free(rid)
+        assert (mgr.table[:, row] == -1).all(), rid
+        check_slots(mgr)
+    mgr.synchronize()
+    check_slots(mgr)
+
+
+def test_a_suspended_row_is_cleared_and_resumed_with_the_blocks_it_held():
+    from cupykv.storage import KVStorage
+    mgr = small_mgr(max_seq_len=4096, windows=[32, None], slots_per_group=512, dtype="float32")
+    storage = KVStorage(mgr, host_tier_bytes=1 << 20)
+    tpb = mgr.layout.tpb
+    for rid, n in (("a", 5 * tpb + 3), ("b", 2 * tpb)):
+        mgr.add(rid, n)
+        s = mgr.prepare_batch(contexts={rid: n})
+        s.finish()
+        mgr.settle(s)
+    row = mgr.request("a").row
+    before = [mgr.table[p, row].copy() for p in range(2)]
+    blocks = [b for b, _ in mgr.resident_blocks("a")]
+    assert [b.tolist() for b in blocks] == [np.flatnonzero(t != -1).tolist() for t in before]
+    storage.suspend("a")
+    assert (mgr.table[:, row] == -1).all()
+    check_slots(mgr)
+    storage.resume("a")
+    assert [np.flatnonzero(mgr.table[p, row] != -1).tolist() for p in range(2)] == [b.tolist() for b in blocks]
+    mgr.synchronize()
+    check_slots(mgr)
