@@ -237,8 +237,12 @@ class CachingSlotPool(SlotPool):
 
     def quarantined_through(self, tag: int) -> int:
         # each slot once: hit and released again under the same tag, it is in its entry twice
-        return sum(len(_distinct(s[self.qtag[s] == t])) for t, s in
-                   ((t, _joined(parts)) for t, parts in self._quarantine if t <= tag))
+        n = 0
+        for t, parts in self._quarantine:
+            if t <= tag:
+                s = _joined(parts)
+                n += len(_distinct(s[self.qtag[s] == t]))
+        return n
 
     def quarantined_slots(self) -> np.ndarray:
         return np.flatnonzero(self.qtag != NO_TAG).astype(np.int32)

@@ -468,6 +468,13 @@ def test_a_shortage_the_quarantine_cannot_cover_fails_without_waiting(monkeypatc
 # --------------------------------------------------------------------------------------------------
 # A freed or suspended request's row: scanned up to its capacity's last block, cleared whole
 # --------------------------------------------------------------------------------------------------
+def settled_step(mgr, accepted=None, **batch):
+    """One step of prepare_batch(**batch), finished and settled."""
+    s = mgr.prepare_batch(**batch)
+    s.finish()
+    mgr.settle(s, accepted)
+
+
 @pytest.mark.parametrize("caching", [False, True])
 def test_a_freed_row_is_cleared_up_to_its_capacitys_last_block(caching):
     # Rows far shorter than max_blocks, whose capacity ends inside a block, at a block's end, after a rewind
@@ -483,12 +490,9 @@ def test_a_freed_row_is_cleared_up_to_its_capacitys_last_block(caching):
         tokens = np.arange(first[rid], first[rid] + n, dtype=np.int64)
         cached = mgr.add(rid, n, **(dict(tokens=tokens) if caching else {}))
         assert cached == (3 * tpb if caching and rid == "hit" else 0)
-        s = mgr.prepare_batch(contexts={rid: n - cached})
-        s.finish()
-        mgr.settle(s)
-    s = mgr.prepare_batch(generation=list(lengths), num_gen_tokens=3)    # "rewound" opens a block
-    s.finish()
-    mgr.settle(s, accepted={"inside": 3, "edge": 1, "rewound": 1, "hit": 2})   # ...and gives it back
+        settled_step(mgr, contexts={rid: n - cached})
+    # "rewound" opens a block and gives it back
+    settled_step(mgr, {"inside": 3, "edge": 1, "rewound": 1, "hit": 2}, generation=list(lengths), num_gen_tokens=3)
     rows = {rid: mgr.request(rid).row for rid in lengths}
     assert mgr.request("rewound").capacity == 2 * tpb
     spans = {rid: -(-mgr.request(rid).capacity // tpb) for rid in lengths}
@@ -509,9 +513,7 @@ def test_a_suspended_row_is_cleared_and_resumed_with_the_blocks_it_held():
     tpb = mgr.layout.tpb
     for rid, n in (("a", 5 * tpb + 3), ("b", 2 * tpb)):
         mgr.add(rid, n)
-        s = mgr.prepare_batch(contexts={rid: n})
-        s.finish()
-        mgr.settle(s)
+        settled_step(mgr, contexts={rid: n})
     row = mgr.request("a").row
     before = [mgr.table[p, row].copy() for p in range(2)]
     blocks = [b for b, _ in mgr.resident_blocks("a")]
