@@ -48,7 +48,7 @@ def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     if len(rows) == 0:
         return rows, lo
     count = hi - lo
-    return _range_pairs(rows, lo, count, count.max())
+    return _range_pairs(rows, lo, count, np.maximum.reduce(count))
 
 
 def _range_pairs(rows: np.ndarray, lo: np.ndarray, count: np.ndarray, longest):
@@ -429,7 +429,7 @@ class KVCacheManager:
         decode = gen is not None and not ctx_rows
         known = decode and gen.knows(reqs.cap_writes)
         keeps_room = decode and len(gen_rows) * k < lay.tpb
-        longest = gen.longest + k if known else (int(end.max()) if len(end) else 0)
+        longest = gen.longest + k if known else (int(np.maximum.reduce(end)) if len(end) else 0)
         if longest > spec.max_seq_len:
             i = int(np.argmax(end > spec.max_seq_len))
             raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
@@ -569,8 +569,9 @@ class KVCacheManager:
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block) (at least one): one table write for all groups."""
-        cells = self.page_table.group_base + (rows * self.layout.max_blocks + blocks)     # [groups, n]
-        self.page_table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
+        table = self.page_table
+        cells = table.group_base + table.cells(0, rows, blocks)     # [groups, n]
+        table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
                new_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None
@@ -651,7 +652,7 @@ class KVCacheManager:
             if len(moved):
                 r, lo, hi = rows[moved], done[moved], end[moved]
                 count = hi - lo
-                longest = count.max()
+                longest = np.maximum.reduce(count)      # (the ufunc: .max() wraps it in Python)
                 if self.cache is None:
                     # A long chunk's settle clears each long range as one (a decode step's rows release a block
                     # or two), unless the group reuses scratch: then most of such a range is scratch blocks that

@@ -287,7 +287,7 @@ class RequestTable:
         seen = np.bincount(rows, minlength=len(self.hist))
         if ctx_rows:
             seen[ctx_rows] += 1
-        if seen.max() > 1:
+        if np.maximum.reduce(seen) > 1:
             dup = next(r for r in gen_ids if seen[self.row_of[r]] > 1)
             raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
 

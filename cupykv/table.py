@@ -27,15 +27,18 @@ class PageTable:
         self.array.fill(BAD)
         self.flat = self.array.reshape(-1)                # a view: cells by flat index
         self.max_blocks = max_blocks
-        self.group_base = np.arange(num_groups, dtype=np.int64)[:, None] * (rows * max_blocks)  # [P, 1]
+        # int64 [P, rows]: flat index of table[p, row, 0] (a gather and an add find any cell)
+        self.row_starts = np.arange(num_groups * rows, dtype=np.int64).reshape(num_groups, rows) * max_blocks
+        self.group_base = self.row_starts[:, :1].copy()          # int64 [P, 1]: of table[p, 0, 0]
         self._base = [int(b) for b in self.group_base[:, 0]]     # the same, as Python ints
         self._log: List[np.ndarray] = []
         self._cleared: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written BAD, logged as ranges
         self._written: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written whole (write_runs)
 
     def cells(self, p: int, rows, blocks) -> np.ndarray:
-        """Flat indices of table[p, rows, blocks] (ints or int64 arrays, broadcast)."""
-        return np.add(rows * self.max_blocks, blocks + self._base[p], dtype=np.int64)
+        """Flat indices of table[p, rows, blocks] (rows: an int or an int64 array; blocks: an int or an integer
+        array; broadcast), int64."""
+        return self.row_starts[p][rows] + blocks
 
     def row_start(self, p: int, row: int) -> int:
         """Flat index of table[p, row, 0] (a Python int)."""
@@ -87,7 +90,7 @@ class PageTable:
         """Clear these cells; returns (cells that held a slot, their slots). Cells that hold BAD (scratch
         blocks never got a slot of their own) are skipped."""
         vals = self.flat[cells]
-        if len(vals) and vals.min() == BAD:     # slots are >= 0
+        if len(vals) and np.minimum.reduce(vals) == BAD:     # slots are >= 0 (the ufunc: .min() wraps it in Python)
             held = vals != BAD
             cells, vals = cells[held], vals[held]
         if len(cells):
@@ -120,7 +123,7 @@ class PageTable:
         """logged()'s cleared ranges; those written again since ship their values as written ranges."""
         still = []
         for lo, hi in self._cleared:
-            if self.flat[lo:hi].max() == BAD:       # (slots are >= 0)
+            if np.maximum.reduce(self.flat[lo:hi]) == BAD:       # (slots are >= 0)
                 still.append((lo, hi))
             else:
                 self._written.append((lo, hi))
