@@ -265,7 +265,9 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
 // or e is a context). A thread writing an entry whole may change row_entry[row] while a thread here reads
 // it; either value leads to a skip or to the entry being written whole, with the same value for the cell.
 // A cell is written into the layers of its group (Layout.group_layers). A few dozen cells per decode step
-// instead of the whole live output.
+// instead of the whole live output. When the grid has more threads than cells (a small batch's step), each
+// cell's layers are split over `split` threads, as full_tables splits them: one thread writing every layer of a
+// 52-layer group is a chain of dependent loads, microseconds long, that the whole step waits for.
 __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 {
     const int* snap = a.snap;
@@ -278,8 +280,13 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
     const int* held = snap + snap[H_OFF_HELD];
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const long long plane_cells = static_cast<long long>(a.rows) * a.B;
+    const int stride = nblocks * blockDim.x;
+    const int split = a.shared ? 1 : max(1, min(stride / max(num_cells, 1), a.num_layers));
 
-    for (int i = block * blockDim.x + threadIdx.x; i < num_cells; i += nblocks * blockDim.x) {
+    // (num_cells * split <= max(num_cells, stride): an int, as num_cells is)
+    for (int k = block * blockDim.x + threadIdx.x; k < num_cells * split; k += stride) {
+        const int part = k / num_cells;         // this thread's share of the group's layers
+        const int i = k - part * num_cells;
         const Delta d = delta_at(snap, i);
         const long long cell = d.cell;
         const int p = static_cast<int>(cell / plane_cells);
@@ -296,7 +303,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
         const int scale = a.group_scale[p];
         const int null = a.group_null[p];
         const TablePlanes planes = table_planes(a, p);
-        for (int j = planes.g.first; j < planes.g.last; ++j) {
+        for (int j = planes.g.first + part; j < planes.g.last; j += split) {
             const int plane = planes.plane(j);
             const int off = planes.koff(j);
             int* dst = a.out + ((static_cast<long long>(plane) * a.max_batch + s) * 2) * a.B + b;
@@ -316,6 +323,9 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 // A thread per (group, token), tokens fastest: it finds the token's entry and mirror cell once, then writes
 // the token's page for each layer of the group (a warp's stores of pages[l, t] are contiguous). A thread per
 // (layer, token) would repeat the entry search, a chain of dependent loads for context tokens, per layer.
+// When the grid has more threads than (group, token) items (a small batch's decode step), each item's layers
+// are split over `split` threads instead, as in full_tables: a batch of one would otherwise write all of a
+// group's layers from one thread, a chain of dependent loads per layer that the whole step waits for.
 // Index is int when the work count fits, else long long (as in full_tables).
 template <typename Index>
 __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index total)
@@ -328,10 +338,14 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
     const long long cu0 = cu[0];
     const Index work = total * a.num_groups;
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
+    const int split = static_cast<int>(max(Index(1), min(stride / max(work, Index(1)),
+                                                         static_cast<Index>(a.num_layers))));
 
-    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < work; k += stride) {
-        const int p = static_cast<int>(k / total);
-        const Index t = k - p * total;
+    for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < work * split; k += stride) {
+        const int part = static_cast<int>(k / work);      // this thread's share of the group's layers
+        const Index i = k - part * work;
+        const int p = static_cast<int>(i / total);
+        const Index t = i - p * total;
         // The entry that owns token t: the first s with cu[s + 1] - cu[0] > t (entries with no tokens are
         // skipped). With cu_tokens non-decreasing this is exact; otherwise it is some s, still in range.
         // Entry t is tried first: in a decode step every entry has one token and owns token t = s, and
@@ -354,7 +368,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
         const int row = clamp_row(copy_idx[s], a.rows);
         const long long pos = static_cast<long long>(start_pos[s]) + (target - cu[s]);
         const int block_of = static_cast<int>(min(max(pos, 0LL) / a.tpb, static_cast<long long>(a.B - 1)));
-        if (p == 0)
+        if (p == 0 && part == 0)
             a.offsets[t] = static_cast<int>(pos & static_cast<long long>(a.tpb - 1));   // pos mod tpb, tpb = 2^k
         const int scale = a.group_scale[p];
         const int base = a.mirror[(static_cast<long long>(p) * a.rows + row) * a.B + block_of];
@@ -362,7 +376,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
         if (!a.shared)
             sc = scratch_of(snap, p, s);
         const GroupLayers g = layers_of(a, p);
-        for (int j = g.first; j < g.last; ++j) {
+        for (int j = g.first + part; j < g.last; j += split) {
             const int l = g.layer(j);
             const int off = a.layer_koff[l];
             // SHARED: the K page with the layer's offset; PER_LAYER: scratch blocks of contexts too.
