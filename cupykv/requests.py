@@ -271,7 +271,8 @@ class RequestTable:
             bad = next(r for r in gen_ids if not self._known(r))
             raise UnknownRequestError(f"unknown request id {bad!r}") from None
         self._check_no_duplicates(gen_ids, rows, ctx_rows)
-        if self.suspended[rows].any():
+        # (counting the table's few hundred flags is one C call; most steps find none and skip the gather)
+        if np.count_nonzero(self.suspended) and self.suspended[rows].any():
             i = int(np.argmax(self.suspended[rows]))
             raise InvalidRequestError(f"request {gen_ids[i]!r} is suspended: resume it before scheduling it")
         cap = self.cap[rows]
@@ -284,11 +285,12 @@ class RequestTable:
         return batch
 
     def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:
+        """No row twice among the generation rows, nor one of the contexts' (which are distinct already)."""
         seen = np.bincount(rows, minlength=len(self.hist))
-        if ctx_rows:
-            seen[ctx_rows] += 1
-        if np.maximum.reduce(seen) > 1:
-            dup = next(r for r in gen_ids if seen[self.row_of[r]] > 1)
+        # (the few context rows one by one: a list index costs a conversion and a scatter more than that)
+        if np.maximum.reduce(seen) > 1 or any(seen[row] for row in ctx_rows):
+            ctx = set(ctx_rows)
+            dup = next(r for r in gen_ids if seen[self.row_of[r]] > 1 or self.row_of[r] in ctx)
             raise DuplicateRequestError(f"request {dup!r} appears twice in one step")
 
     def _known(self, rid) -> bool:
