@@ -85,10 +85,10 @@ for part in $parts; do
     bench-devices)   # one manager on 1 and 2 devices: host and device time per decode step
       run bench_devices timeout 300 python3 -m cupykv.bench devices --out /tmp/bench_devices
       cp /tmp/bench_devices/devices.md "$OUT/bench_devices.md" 2>/dev/null ;;
-    segments-ab)   # device time per step segment of this tree and of the trees in AB_TREES
+    segments-ab)   # device time per step segment of this tree and of the trees in AB_TREES (AB_STEPS steps)
       IFS=';' read -ra cfgs <<< "${AB_CFGS:-gpt-oss-120b 131072 256;gpt-oss-20b 32768 1;gpt-oss-120b 131072 256 --shared}"
       for cfg in "${cfgs[@]}"; do   # AB_CFGS: configurations separated by ';'
-        each_tree segments_ab.log "$cfg" timeout 100 python3 "$ROOT/scripts/kernel_breakdown.py" $cfg 16 --segments
+        each_tree segments_ab.log "$cfg" timeout 100 python3 "$ROOT/scripts/kernel_breakdown.py" $cfg ${AB_STEPS:-16} --segments
       done
       cat "$OUT/segments_ab.log" ;;
     dram-ab)   # DRAM bytes and time of cupykv_step under ncu, this tree and AB_TREES, GPT-OSS-120B 128k b256

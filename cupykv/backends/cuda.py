@@ -34,6 +34,7 @@ APPLY_MAX_BLOCKS = 1024
 APPLY_GRAPH_BLOCKS = 64          # a graph's fixed apply grid: 16k cells per pass
 TABLE_MAX_BLOCKS = 4096
 TABLE_FILL_BLOCKS = 1024         # FULL tables: enough blocks to keep the device's memory busy (step_grid)
+POS_FILL_BLOCKS = 256            # write positions: a decode step's grid grows to about this (step_grid)
 DELTA_GRAPH_BLOCKS = 16          # a DELTA graph's table part: a decode step changes a few hundred cells
 POS_MAX_BLOCKS = 1024
 MEMO_ENTRIES = 256               # validated buffer sets kept by _memo (a few per ring slot in use)
@@ -264,12 +265,21 @@ def _whole_entry_threads(planes: int, groups: int, max_blocks: int, entries: int
     return max(groups * quads, min(planes * quads, TABLE_FILL_BLOCKS * STEP_THREADS))
 
 
-def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, mode: int,
+def _position_threads(groups: int, layers: int, tokens: int) -> int:
+    """Threads for the write positions of `tokens` new tokens: a thread per (group, token) writes the token's
+    page into each layer of its group; where that gives fewer than POS_FILL_BLOCKS blocks (a decode step:
+    gemma-3-27b's window group has 52 layers, which 256 tokens would walk on two blocks), the grid grows
+    towards a thread per (layer, token) and the kernel splits each group's layers over the extra threads.
+    A long context step already fills the grid and keeps a thread per item."""
+    return max(groups * tokens, min(layers * tokens, POS_FILL_BLOCKS * STEP_THREADS))
+
+
+def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacity: int, layers: int, mode: int,
               num_entries: Optional[int], num_cells: Optional[int], num_tokens: Optional[int]):
     """(table blocks, position blocks) of a build_step launch. num_entries: the entries the step writes
     whole (FULL: the batch and its padding; DELTA: the rebuilt ones); num_cells: changed table cells.
     None counts size the grid for a graph: entries for max_batch, a fixed DELTA cell grid, tokens for the
-    capacity. Write positions: a thread per (group, new token)."""
+    capacity. layers: the model's layers (_position_threads)."""
     cells = DELTA_GRAPH_BLOCKS * STEP_THREADS if num_cells is None else max(int(num_cells), 1)
     if mode == MODE_DELTA:
         rebuilt = max_batch if num_entries is None else min(max(int(num_entries), 0), max_batch)
@@ -279,7 +289,8 @@ def step_grid(planes: int, groups: int, max_blocks: int, max_batch: int, capacit
         threads = max(cells, _whole_entry_threads(planes, groups, max_blocks, entries))
     table = -(-threads // STEP_THREADS)
     tokens = capacity if num_tokens is None else min(max(int(num_tokens), 1), capacity)
-    return min(max(table, 1), TABLE_MAX_BLOCKS), min(-(-(tokens * groups) // STEP_THREADS), POS_MAX_BLOCKS)
+    pos = -(-_position_threads(groups, layers, tokens) // STEP_THREADS)
+    return min(max(table, 1), TABLE_MAX_BLOCKS), min(pos, POS_MAX_BLOCKS)
 
 
 def apply_grid(num_cells: Optional[int]) -> int:
@@ -292,7 +303,7 @@ def apply_grid(num_cells: Optional[int]) -> int:
 def fused_grid(shape: tuple, mode: int, num_entries: Optional[int], num_cells: Optional[int],
                num_tokens: Optional[int]) -> tuple:
     """(apply, table, position) blocks of a cupykv_step launch: apply_grid (none without changed cells) and
-    step_grid for a plan's shape (planes, groups, max_blocks, max_batch, capacity) and a step's counts.
+    step_grid for a plan's shape (planes, groups, max_blocks, max_batch, capacity, layers) and a step's counts.
     Cached, as a pure function: a step's counts are mostly the last one's, and the lookup costs a launch
     less Python than the arithmetic."""
     table, pos = step_grid(*shape, mode, num_entries, num_cells, num_tokens)
@@ -405,7 +416,7 @@ class CudaStepPlan(StepPlan):
                 host.value, fixed, np.int64(mirror.size), self._sync)))
                 for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
-                      int(pages.shape[1]))
+                      int(pages.shape[1]), int(consts.num_layers))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_koff,
@@ -789,7 +800,8 @@ class CudaBackend:
                                    lambda: self._step_launch_args(snap, mirror, out, row_entry, pages, offsets,
                                                                   consts, shared))
         table_blocks, pos_blocks = step_grid(planes, consts.num_groups, int(consts.max_blocks),
-                                             int(consts.max_batch), int(pages.shape[1]), mode, num_entries,
+                                             int(consts.max_batch), int(pages.shape[1]), int(consts.num_layers),
+                                             mode, num_entries,
                                              num_cells, num_tokens)
         args = fixed + (np.int32(table_blocks),)
         with self.device_context():

@@ -189,6 +189,14 @@ __device__ __forceinline__ int clamp_row(int row, int rows)
 
 static_assert(QUAD_BLOCKS * sizeof(int) == sizeof(int4), "a quad of blocks is one int4 load or store");
 
+// How many threads share one item's layers: the threads a grid of `stride` leaves to each of `items`, at most
+// `num_layers` (no group has more). 1 when the items fill the grid, so a large batch keeps a thread per item.
+template <typename Index>
+__device__ __forceinline__ int layer_split(Index stride, Index items, int num_layers)
+{
+    return static_cast<int>(max(Index(1), min(stride / max(items, Index(1)), static_cast<Index>(num_layers))));
+}
+
 // FULL mode: every output cell of the batch's rows, out[plane, s, role, b] for s < num_seqs, and the null page
 // (BAD without a null slot) for the padding rows [num_seqs, pad_to). A work item is (group, entry, quad of 4
 // blocks): one 16-byte mirror load, then two 16-byte stores (K, V) into planes of the group (its layers,
@@ -213,8 +221,7 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
     const int live = max(num_seqs, min(snap[H_PAD_TO], a.max_batch));
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
-    const int split = a.shared ? 1 : static_cast<int>(max(Index(1), min(stride / max(items, Index(1)),
-                                                                        static_cast<Index>(a.num_layers))));
+    const int split = a.shared ? 1 : layer_split(stride, items, a.num_layers);
     const Index total = items * split;
 
     for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < total; k += stride) {
@@ -281,7 +288,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const long long plane_cells = static_cast<long long>(a.rows) * a.B;
     const int stride = nblocks * blockDim.x;
-    const int split = a.shared ? 1 : max(1, min(stride / max(num_cells, 1), a.num_layers));
+    const int split = a.shared ? 1 : layer_split(stride, num_cells, a.num_layers);
 
     // (num_cells * split <= max(num_cells, stride): an int, as num_cells is)
     for (int k = block * blockDim.x + threadIdx.x; k < num_cells * split; k += stride) {
@@ -323,9 +330,10 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
 // A thread per (group, token), tokens fastest: it finds the token's entry and mirror cell once, then writes
 // the token's page for each layer of the group (a warp's stores of pages[l, t] are contiguous). A thread per
 // (layer, token) would repeat the entry search, a chain of dependent loads for context tokens, per layer.
-// When the grid has more threads than (group, token) items (a small batch's decode step), each item's layers
-// are split over `split` threads instead, as in full_tables: a batch of one would otherwise write all of a
-// group's layers from one thread, a chain of dependent loads per layer that the whole step waits for.
+// When the grid has more threads than (group, token) items (a decode step: the host grows its grid towards a
+// thread per (layer, token)), each item's layers are split over `split` threads instead, as in full_tables: a
+// decode step would otherwise write all of a group's layers from one thread per token, a chain of dependent
+// loads per layer that the whole step waits for.
 // Index is int when the work count fits, else long long (as in full_tables).
 template <typename Index>
 __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index total)
@@ -338,8 +346,7 @@ __device__ void write_positions(const StepArgs& a, int block, int nblocks, Index
     const long long cu0 = cu[0];
     const Index work = total * a.num_groups;
     const Index stride = static_cast<Index>(nblocks) * blockDim.x;
-    const int split = static_cast<int>(max(Index(1), min(stride / max(work, Index(1)),
-                                                         static_cast<Index>(a.num_layers))));
+    const int split = layer_split(stride, work, a.num_layers);
 
     for (Index k = static_cast<Index>(block) * blockDim.x + threadIdx.x; k < work * split; k += stride) {
         const int part = static_cast<int>(k / work);      // this thread's share of the group's layers
