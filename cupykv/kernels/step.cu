@@ -272,10 +272,13 @@ __device__ void full_tables(const StepArgs& a, int block, int nblocks, Index per
 // or e is a context). A thread writing an entry whole may change row_entry[row] while a thread here reads
 // it; either value leads to a skip or to the entry being written whole, with the same value for the cell.
 // A cell is written into the layers of its group (Layout.group_layers). A few dozen cells per decode step
-// instead of the whole live output. When the grid has more threads than cells (a small batch's step), each
-// cell's layers are split over `split` threads, as full_tables splits them: one thread writing every layer of a
-// 52-layer group is a chain of dependent loads, microseconds long, that the whole step waits for.
-__device__ void delta_tables(const StepArgs& a, int block, int nblocks)
+// instead of the whole live output. In a step whose table threads have nothing else to write (spread: DELTA
+// with no rebuilt entry, a steady decode step), each cell's layers are split over the threads the cells leave
+// idle, as full_tables splits them: one thread writing every layer of a 52-layer group is a chain of dependent
+// loads, microseconds long, that the whole step waits for. A step that writes entries whole keeps a thread
+// per cell: there every table thread has a share of those entries, and a split would put a cell's lookups
+// ahead of it on each of them (an 8-chunk context step, whose cells are thousands, took 1-2.7 us longer).
+__device__ void delta_tables(const StepArgs& a, int block, int nblocks, bool spread)
 {
     const int* snap = a.snap;
     const int num_cells = snap[H_NUM_CELLS];
@@ -288,7 +291,7 @@ __device__ void delta_tables(const StepArgs& a, int block, int nblocks)
     const int* copy_idx = snap + snap[H_OFF_COPY_IDX];
     const long long plane_cells = static_cast<long long>(a.rows) * a.B;
     const int stride = nblocks * blockDim.x;
-    const int split = a.shared ? 1 : layer_split(stride, num_cells, a.num_layers);
+    const int split = a.shared || !spread ? 1 : layer_split(stride, num_cells, a.num_layers);
 
     // (num_cells * split <= max(num_cells, stride): an int, as num_cells is)
     for (int k = block * blockDim.x + threadIdx.x; k < num_cells * split; k += stride) {
@@ -413,14 +416,13 @@ __device__ void build_step(const StepArgs& a, int block, int nblocks, int table_
     if (block < table_blocks) {
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
         const int live = max(num_seqs, min(a.snap[H_PAD_TO], a.max_batch));   // padding rows are written too
-        delta_tables(a, block, table_blocks);
-        if (a.snap[H_MODE] == MODE_DELTA) {
-            const int rebuilt = min(max(a.snap[H_NUM_REBUILT], 0), live);
-            if (rebuilt > 0)
-                full_tables_of(a, block, table_blocks, rebuilt, a.snap + a.snap[H_OFF_REBUILT]);
-        } else {
+        const bool delta = a.snap[H_MODE] == MODE_DELTA;
+        const int rebuilt = delta ? min(max(a.snap[H_NUM_REBUILT], 0), live) : 0;
+        delta_tables(a, block, table_blocks, delta && rebuilt == 0);
+        if (!delta)
             full_tables_of(a, block, table_blocks, live, nullptr);
-        }
+        else if (rebuilt > 0)
+            full_tables_of(a, block, table_blocks, rebuilt, a.snap + a.snap[H_OFF_REBUILT]);
     } else {
         const int* cu = a.snap + a.snap[H_OFF_CU_TOKENS];
         const int num_seqs = max(0, min(a.snap[H_NUM_SEQS], a.max_batch));
