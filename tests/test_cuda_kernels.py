@@ -472,8 +472,9 @@ def test_cuda_tables_on_any_grid(rng, cuda_backend, monkeypatch, spec_name, tabl
     has to spare (none, when the items outnumber the grid's threads and it strides over them): grids of a
     few blocks, which step_grid never picks for these shapes, give splits from 1 up to the layer count
     (most of them, not every one, per spec) and partial last strides, against the same oracle; the write
-    positions (a thread per group and token) get as few blocks, and they and the changed cells (a thread per
-    cell) split their layers the same way over the threads to spare."""
+    positions (a thread per group and token) get as few blocks and split their layers the same way over the
+    threads to spare, and so do the changed cells (a thread per cell) of a DELTA step that rebuilds no entry
+    (the other steps keep a thread per cell: check_rebuilt_and_held's)."""
     from cupykv.backends import cuda
     sized = cuda.step_grid
     monkeypatch.setattr(cuda, "step_grid", lambda *a: (table_blocks, min(sized(*a)[1], table_blocks)))
