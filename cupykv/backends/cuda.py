@@ -801,8 +801,7 @@ class CudaBackend:
                                                                   consts, shared))
         table_blocks, pos_blocks = step_grid(planes, consts.num_groups, int(consts.max_blocks),
                                              int(consts.max_batch), int(pages.shape[1]), int(consts.num_layers),
-                                             mode, num_entries,
-                                             num_cells, num_tokens)
+                                             mode, num_entries, num_cells, num_tokens)
         args = fixed + (np.int32(table_blocks),)
         with self.device_context():
             self._kernel("cupykv_build_step")((table_blocks + pos_blocks,), (STEP_THREADS,), args, stream=stream)
