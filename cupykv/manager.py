@@ -570,8 +570,8 @@ class KVCacheManager:
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block) (at least one): one table write for all groups."""
         table = self.page_table
-        cells = table.group_base + table.cells(0, rows, blocks)     # [groups, n]
-        table.write(cells.reshape(-1), np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
+        table.write(table.cells_in_every_group(rows, blocks).reshape(-1),
+                    np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
                new_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None

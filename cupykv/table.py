@@ -29,8 +29,8 @@ class PageTable:
         self.max_blocks = max_blocks
         # int64 [P, rows]: flat index of table[p, row, 0] (a gather and an add find any cell)
         self.row_starts = np.arange(num_groups * rows, dtype=np.int64).reshape(num_groups, rows) * max_blocks
-        self.group_base = self.row_starts[:, :1].copy()          # int64 [P, 1]: of table[p, 0, 0]
-        self._base = [int(b) for b in self.group_base[:, 0]]     # the same, as Python ints
+        self._group_base = self.row_starts[:, :1].copy()         # int64 [P, 1]: of table[p, 0, 0]
+        self._base = [int(b) for b in self._group_base[:, 0]]    # the same, as Python ints
         self._log: List[np.ndarray] = []
         self._cleared: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written BAD, logged as ranges
         self._written: List[Tuple[int, int]] = []     # flat ranges [lo, hi) written whole (write_runs)
@@ -39,6 +39,12 @@ class PageTable:
         """Flat indices of table[p, rows, blocks] (rows: an int or an int64 array; blocks: an int or an integer
         array; broadcast), int64."""
         return self.row_starts[p][rows] + blocks
+
+    def cells_in_every_group(self, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Flat indices of table[:, rows, blocks] (rows: int64 [n]; blocks: integer [n]), int64 [P, n]: group
+        0's cells (its base is 0) moved by each group's base, a broadcast add, which costs less than the
+        2-D gather row_starts[:, rows]."""
+        return self._group_base + self.cells(0, rows, blocks)
 
     def row_start(self, p: int, row: int) -> int:
         """Flat index of table[p, row, 0] (a Python int)."""
