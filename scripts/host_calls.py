@@ -1,14 +1,15 @@
 """Host time of the backend calls inside prepare_batch on the CUDA backend (decode steps whose batch is the
 previous one's), next to the raw CUDA calls they are made of.
 
-    python scripts/host_calls.py [batch ...] [--parts] [--no-wait]     (default 256 1)
+    python scripts/host_calls.py [batch ...] [--parts] [--no-wait] [--run-parts]     (default 256 1)
 
 Wraps the step plan's run (the copy, the kernels or the graph replay, the ready event), the backend's
 record (the consumer's finish) and wait with perf_counter timers; prints the median per step of each and
 of prepare_batch itself, with launches and with graphs, how many CUDA events a step had to create (its
 backend's pool was empty), and then the median of the bare calls for scale, on an idle stream and while the
 stream runs a kernel. --parts: timers around the manager's own parts of a step too. --no-wait: each batch
-size a second time without waiting for each step's ready event (as host_floor.py's steps run).
+size a second time without waiting for each step's ready event (as host_floor.py's steps run). --run-parts:
+the last step's plan.run taken apart (run_parts).
 """
 import sys
 import time
@@ -19,9 +20,53 @@ import numpy as np
 
 from profile_manager import prefilled_manager, time_parts, timed_decode_step, timer
 from cupykv.backends import cuda as cuda_backend
+from cupykv.staging import H_NUM_CELLS
 
 spent = defaultdict(float)
 timed = timer(spent)
+
+
+def run_parts(mgr, step) -> None:
+    """The last step's plan.run taken apart, each part called 300 times on the manager's own plan: the whole
+    run, the device scope, the launch's choice and grid (_inline, fused_grid), the driver's launch of the
+    step kernel alone (its real parameters: for a small step the inline kernel's 512-byte snapshot struct)
+    and the ready event's record. Every launch enqueues the last step again: its kernel reads the same
+    snapshot, so it writes what it wrote (the manager is not used after this)."""
+    pipe, be = mgr.pipeline, mgr.backend
+    listed, slot = pipe._listed, pipe.ring._last
+    if listed is None or listed.host is not slot.host:
+        print("  run_parts: the last step was not a list step; skipped")
+        return
+    for name in ("record", "wait"):          # measure()'s timers
+        be.__dict__.pop(name, None)
+    plan, st = pipe.mirrors[0].plan(slot.twins[0]), be.stream
+    words, tokens, entries = listed.words, int(step.num_tokens.sum()), 0
+    num_cells = int(slot.host[H_NUM_CELLS])
+    inline = plan._inline(words, None)
+    blocks = sum(cuda_backend.fused_grid(plan._grid, step.mode, entries, num_cells, tokens))
+    if inline is None:      # the copy's blocks too (CudaStepPlan._enqueue; the timed run sets their cells)
+        blocks += min(-(-words // cuda_backend.COPY_WORDS_PER_BLOCK), cuda_backend.COPY_MAX_BLOCKS)
+    launch = inline[1] if inline is not None else plan._step
+
+    def scope():
+        with cuda_backend.DeviceScope(be.device_id):
+            pass
+    print(f"the last step's plan.run by part ({'inline: %d words' % inline[0] if inline else 'from the slot'}, "
+          f"{blocks} blocks), medians of 300:")
+    for label, fn in (("plan.run (whole)", lambda: plan.run(st, step.mode, words, num_cells, entries, tokens)),
+                      ("DeviceScope enter/exit", scope),
+                      ("_inline + fused_grid", lambda: (plan._inline(words, None),
+                                                        cuda_backend.fused_grid(plan._grid, step.mode, entries,
+                                                                                num_cells, tokens))),
+                      ("the launch (driver call)", lambda: launch(blocks, st.ptr)),
+                      ("backend.record", lambda: be.record(st))):
+        ts = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            st.synchronize()
+        print(f"  {label:32s} {np.median(ts) * 1e6:7.1f} us")
 
 
 def measure(batch: int, steps: int = 250, skip: int = 50, sync: bool = True) -> None:
@@ -70,6 +115,8 @@ def measure(batch: int, steps: int = 250, skip: int = 50, sync: bool = True) -> 
         cuda_backend.CudaEvent.__init__ = event_init
         for owner, name, fn in restore:
             setattr(owner, name, fn)
+    if "--run-parts" in sys.argv:
+        run_parts(mgr, s)
 
 
 def floor_calls():
