@@ -26,40 +26,39 @@ spent = defaultdict(float)
 timed = timer(spent)
 
 
+def scope_round_trip(device_id: int) -> None:
+    with cuda_backend.DeviceScope(device_id):
+        pass
+
+
 def run_parts(mgr, step) -> None:
     """The last step's plan.run taken apart, each part called 300 times on the manager's own plan: the whole
     run, the device scope, the launch's choice and grid (_inline, fused_grid), the driver's launch of the
-    step kernel alone (its real parameters: for a small step the inline kernel's 512-byte snapshot struct)
-    and the ready event's record. Every launch enqueues the last step again: its kernel reads the same
-    snapshot, so it writes what it wrote (the manager is not used after this)."""
+    step kernel alone (an inline launch, with its real parameters: for a small step the inline kernel's
+    512-byte snapshot struct; a step copied from its slot is not launched alone) and the ready event's
+    record. Every launch enqueues the last step again: its kernel reads the same snapshot, so it writes what
+    it wrote (the manager is not used after this)."""
     pipe, be = mgr.pipeline, mgr.backend
     listed, slot = pipe._listed, pipe.ring._last
     if listed is None or listed.host is not slot.host:
         print("  run_parts: the last step was not a list step; skipped")
         return
-    for name in ("record", "wait"):          # measure()'s timers
-        be.__dict__.pop(name, None)
     plan, st = pipe.mirrors[0].plan(slot.twins[0]), be.stream
     words, tokens, entries = listed.words, int(step.num_tokens.sum()), 0
     num_cells = int(slot.host[H_NUM_CELLS])
     inline = plan._inline(words, None)
     blocks = sum(cuda_backend.fused_grid(plan._grid, step.mode, entries, num_cells, tokens))
-    if inline is None:      # the copy's blocks too (CudaStepPlan._enqueue; the timed run sets their cells)
-        blocks += min(-(-words // cuda_backend.COPY_WORDS_PER_BLOCK), cuda_backend.COPY_MAX_BLOCKS)
-    launch = inline[1] if inline is not None else plan._step
-
-    def scope():
-        with cuda_backend.DeviceScope(be.device_id):
-            pass
-    print(f"the last step's plan.run by part ({'inline: %d words' % inline[0] if inline else 'from the slot'}, "
-          f"{blocks} blocks), medians of 300:")
-    for label, fn in (("plan.run (whole)", lambda: plan.run(st, step.mode, words, num_cells, entries, tokens)),
-                      ("DeviceScope enter/exit", scope),
-                      ("_inline + fused_grid", lambda: (plan._inline(words, None),
-                                                        cuda_backend.fused_grid(plan._grid, step.mode, entries,
-                                                                                num_cells, tokens))),
-                      ("the launch (driver call)", lambda: launch(blocks, st.ptr)),
-                      ("backend.record", lambda: be.record(st))):
+    parts = [("plan.run (whole)", lambda: plan.run(st, step.mode, words, num_cells, entries, tokens)),
+             ("DeviceScope enter/exit", lambda: scope_round_trip(be.device_id)),
+             ("_inline + fused_grid", lambda: (plan._inline(words, None),
+                                               cuda_backend.fused_grid(plan._grid, step.mode, entries, num_cells,
+                                                                       tokens)))]
+    if inline is not None:
+        parts.append(("the launch (driver call)", lambda: inline[1](blocks, st.ptr)))
+    parts.append(("backend.record", lambda: be.record(st)))
+    how = f"inline: {inline[0]} words, {blocks} blocks" if inline is not None else "copied from its slot"
+    print(f"the last step's plan.run by part ({how}), medians of 300:")
+    for label, fn in parts:
         ts = []
         for _ in range(300):
             t0 = time.perf_counter()
@@ -111,6 +110,7 @@ def measure(batch: int, steps: int = 250, skip: int = 50, sync: bool = True) -> 
                 print(f"  {k:32s} {np.median(v) * 1e6:7.1f} us")
             print(f"  events created (pool empty)      {(created[0] - made) / (steps - skip):7.2f} per step")
     finally:
+        del be.record, be.wait          # the instance's timers: the class's methods again
         cuda_backend.CudaStepPlan.run = plan_run
         cuda_backend.CudaEvent.__init__ = event_init
         for owner, name, fn in restore:
@@ -148,9 +148,6 @@ def bare_calls() -> None:
     graph.upload(st)
     rt = cupy.cuda.runtime
 
-    def scope():
-        with cuda_backend.DeviceScope(0):
-            pass
     # A kernel that keeps the stream busy for about 100 us, so that a call can be timed while the stream has
     # work in flight, as a step's calls do (the step's own launch, the consumer's kernels).
     spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
@@ -170,7 +167,7 @@ def bare_calls() -> None:
                       ("graph.launch (cupy)", lambda: graph.launch(st)),
                       ("graphLaunch (raw)", lambda: rt.graphLaunch(graph.graphExec, st.ptr)),
                       ("streamWaitEvent (raw)", lambda: rt.streamWaitEvent(st.ptr, wait_for.ptr)),
-                      ("DeviceScope enter/exit", scope)):
+                      ("DeviceScope enter/exit", lambda: scope_round_trip(0))):
         medians = []
         for busy in (False, True):
             ts = []
