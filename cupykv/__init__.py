@@ -13,12 +13,12 @@ from .backends import cuda_available
 from . import host_tier, interop, storage      # cupykv.storage.KVStorage etc. after `import cupykv`
 from .host_tier import HostTierFullError
 from .interop import InteropUnavailableError
-from .storage import StorageDtypeError
+from .storage import KVStorage, StorageDtypeError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BAD", "CacheSpec", "KVCacheManager", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
+    "BAD", "CacheSpec", "KVCacheManager", "KVStorage", "Layout", "LayerGroup", "Request", "Step", "cuda_available",
     "CupykvError", "InvalidSpecError", "SpecTooLargeError", "UnknownRequestError", "DuplicateRequestError",
     "InvalidRequestError",
     "OutOfSlotsError", "CapacityExceededError", "StagingExhaustedError", "StepOrderError",

@@ -221,6 +221,23 @@ class Step:
         """New tokens of the whole step (the write positions' valid prefix)."""
         return int(self.num_tokens.sum())
 
+    # -- per token: what every consumer that packs the step's tokens into one batch needs (host arrays) --
+    def cu_tokens(self) -> np.ndarray:
+        """int64 [num_seqs + 1]: entry e's new tokens are the packed tokens [cu[e], cu[e + 1])."""
+        cu = np.zeros(self.num_seqs + 1, np.int64)
+        np.cumsum(self.num_tokens, out=cu[1:])
+        return cu
+
+    def token_entries(self) -> np.ndarray:
+        """int64 [total_tokens]: the batch entry of each packed token."""
+        return np.repeat(np.arange(self.num_seqs, dtype=np.int64), self.num_tokens)
+
+    def token_positions(self) -> np.ndarray:
+        """int64 [total_tokens]: each packed token's position in its sequence (its RoPE position, and the
+        key position its K/V is written at)."""
+        cu = self.cu_tokens()
+        return np.arange(cu[-1], dtype=np.int64) + np.repeat(self.start_positions - cu[:-1], self.num_tokens)
+
     def finish(self, stream=None) -> None:
         """Record that the consumer is done reading: an event on `stream` after its last read.
 
