@@ -1,0 +1,165 @@
+"""The attention function transformers calls for every layer ("cupykv"): write the layer's new K/V at the
+step's write positions, then attend over each sequence's visible pages.
+
+A step's tokens travel as one packed sequence (`input_ids [1, total_tokens]`, entry after entry, with each
+token's position in `position_ids`), and the step itself as the keyword argument `cupykv_batch` (a
+PagedBatch), which transformers passes through the model to this function. The function:
+
+    k, v [1, kv_heads, T, head_dim] -> pages[write_pages[layer]], pages[write_pages[layer] + 1] at write_offsets
+    for each entry e: the keys it can see, (p - W, p] of a query at p (all of [0, p] without a window),
+                      gathered block by block through step.tables[layer, e] -> softmax(q k^T * scaling) v
+
+honouring grouped-query heads, logit soft-capping (Gemma 2: tanh(s / c) * c before the mask) and learned
+sinks (GPT-OSS's `s_aux`: one logit per query head that joins each row's softmax and has no value). The
+arithmetic follows transformers' eager attention (products in the model's dtype, softmax in float32), so
+greedy tokens match `model.generate` exactly in float32.
+
+This is the reference path: torch only, on the CPU (host backend) or the GPU (cuda backend), one entry at
+a time. Every tensor here is a torch tensor over cupykv's buffers (cupykv.interop), ordered after the
+step's `ready` on torch's current stream.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+from .. import interop
+from ..errors import InvalidRequestError
+from .config import UnsupportedModelError
+
+NAME = "cupykv"
+
+
+class PagedBatch:
+    """One step as the attention function sees it: torch views of the step's tables, write positions and
+    the KV pages of every group, and the packed tokens' layout (host arrays: cu_tokens [num_seqs + 1],
+    start positions [num_seqs]).
+
+    Build it after prepare_batch and before the forward; call `finish()` after the forward (the step's
+    buffers may be reused by the next prepare_batch once its finish has run on the device)."""
+
+    def __init__(self, step, storage):
+        import torch
+        self.torch = torch
+        self.step, self.storage = step, storage
+        layout = step.layout
+        self.layer_group = [int(g) for g in layout.layer_group]
+        self.windows = list(layout.spec.windows)
+        self.tpb = layout.tpb
+        self.per_layer = layout.spec.table_mode == "per_layer"
+        self.tables = interop.tables_to_torch(step)                  # int32 [L, max_batch, 2, B]
+        self.write_pages, self.write_offsets = interop.write_positions_to_torch(step)
+        self.write_pages, self.write_offsets = self.write_pages.long(), self.write_offsets.long()
+        self.pages = [interop.pages_to_torch(storage, g) for g in range(storage.num_groups)]
+        self.cu = step.cu_tokens()
+        self.starts = step.start_positions.astype(np.int64)
+        self.total = int(self.cu[-1])
+        self.layers_seen: List[int] = []
+
+    @classmethod
+    def probe(cls, spec, device) -> "PagedBatch":
+        """A batch of one token that touches no cache: a forward with it checks that every layer calls the
+        cupykv attention with the window the spec has for it (Engine does this before serving)."""
+        import torch
+        batch = cls.__new__(cls)
+        batch.torch, batch.step, batch.storage = torch, None, None
+        from ..layout import Layout
+        layout = Layout(spec)
+        batch.layer_group = [int(g) for g in layout.layer_group]
+        batch.windows, batch.tpb, batch.per_layer = list(spec.windows), layout.tpb, True
+        batch.cu, batch.starts, batch.total = np.array([0, 1]), np.array([0]), 1
+        batch.layers_seen = []
+        return batch
+
+    def finish(self) -> None:
+        """The forward is enqueued: record the step's finish on torch's current stream."""
+        interop.finish_on_torch(self.step)
+
+    # -- one layer ----------------------------------------------------------------------------------
+    def write(self, layer: int, key, value) -> None:
+        """key, value [1, kv_heads, T, head_dim] -> the layer's pages at the step's write positions."""
+        pages = self.pages[self.layer_group[layer]]
+        wp, wo = self.write_pages[layer], self.write_offsets
+        if not self.per_layer:        # SHARED tables: the group's K page; the layer's offset is added here
+            raise UnsupportedModelError("the transformers backend needs table_mode='per_layer'")
+        k = key[0].transpose(0, 1).to(pages.dtype)                  # [T, kv_heads, head_dim] (a strided view)
+        v = value[0].transpose(0, 1).to(pages.dtype)
+        pages[wp, wo] = k
+        pages[wp + 1, wo] = v
+
+    def attend(self, layer: int, query, scaling: float, softcap: Optional[float], sinks) -> "object":
+        """query [1, q_heads, T, head_dim] -> [1, T, q_heads, head_dim] over the visible pages."""
+        torch = self.torch
+        pages = self.pages[self.layer_group[layer]]
+        window = self.windows[layer]
+        table = self.tables[layer]
+        q_heads, kv_heads = query.shape[1], pages.shape[2]
+        group = q_heads // kv_heads
+        out = query.new_empty((1, self.total, q_heads, query.shape[3]))
+        tpb = self.tpb
+        for e in range(len(self.starts)):
+            c0, c1, start = int(self.cu[e]), int(self.cu[e + 1]), int(self.starts[e])
+            if c1 == c0:
+                continue
+            end = start + (c1 - c0)                       # keys [lo, end) are visible to some query
+            lo = 0 if window is None else max(0, start - window + 1)
+            b0, b1 = lo // tpb, -(-end // tpb)
+            k_pages = table[e, 0, b0:b1].long()
+            v_pages = table[e, 1, b0:b1].long()
+            k = pages[k_pages].flatten(0, 1)[lo - b0 * tpb:end - b0 * tpb]      # [keys, kv_heads, head_dim]
+            v = pages[v_pages].flatten(0, 1)[lo - b0 * tpb:end - b0 * tpb]
+            k = k.to(query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)      # [q_heads, keys, d]
+            v = v.to(query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            q = query[0, :, c0:c1]                                                # [q_heads, n, d]
+            scores = torch.matmul(q, k.transpose(1, 2)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            kpos = torch.arange(lo, end, device=q.device)[None, :]
+            hidden = kpos > qpos
+            if window is not None:
+                hidden |= kpos <= qpos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
+            if sinks is not None:
+                sink = sinks.reshape(-1, 1, 1).expand(-1, c1 - c0, 1).to(scores.dtype)
+                scores = torch.cat((scores, sink), dim=-1)
+                scores = scores - scores.max(dim=-1, keepdim=True).values
+                probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+            out[0, c0:c1] = torch.matmul(probs, v).transpose(0, 1)
+        return out
+
+
+def cupykv_attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
+                     dropout: float = 0.0, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                     s_aux=None, cupykv_batch: Optional[PagedBatch] = None, **kwargs):
+    """transformers' attention interface: (attn_output [batch, T, q_heads, head_dim], None)."""
+    batch = cupykv_batch
+    if batch is None:
+        raise InvalidRequestError("the 'cupykv' attention needs the step: run the model through "
+                                  "cupykv.hf.Engine (or pass cupykv_batch=PagedBatch(step, storage) to its forward)")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: cupykv cannot tell which layer "
+                                    "this attention serves")
+    if query.shape[0] != 1 or query.shape[2] != batch.total:
+        raise InvalidRequestError(f"layer {layer}: query {tuple(query.shape)}; the cupykv attention takes one packed "
+                                  f"sequence of the step's {batch.total} tokens ([1, heads, {batch.total}, head_dim])")
+    if sliding_window != batch.windows[layer] and not (sliding_window is None and batch.windows[layer] is None):
+        raise UnsupportedModelError(f"layer {layer}: the model attends with sliding_window={sliding_window}, the "
+                                    f"cache was built for window {batch.windows[layer]} (spec_from_config)")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    batch.layers_seen.append(layer)
+    if batch.step is None:                  # PagedBatch.probe
+        return query.new_zeros((1, 1, query.shape[1], query.shape[3])), None
+    batch.write(layer, key, value)
+    return batch.attend(layer, query, scaling, softcap, s_aux), None
+
+
+def register() -> None:
+    """Register the function with transformers as attn_implementation="cupykv" (idempotent)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, cupykv_attention)

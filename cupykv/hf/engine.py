@@ -1,0 +1,327 @@
+"""Engine: greedy generation with a transformers model whose KV cache is cupykv.
+
+One step of the engine:
+
+    admit     waiting requests take free rows: add() with their tokens (a prefix hit skips the cached part)
+    resume    suspended requests come back from the host tier while slots allow
+    schedule  every running request with one token to compute decodes it; prompts (and recomputed
+              requests) prefill in chunks while max_step_tokens allows
+    prepare   prepare_batch(contexts, generation); OutOfSlotsError preempts the newest running request
+              (suspend to the host tier when there is one and it has room, else free it and compute its
+              tokens again later) and prepares again
+    forward   one packed forward of the step's tokens, attn_implementation="cupykv" (attention.py)
+    finish    the step's finish on torch's stream; greedy tokens of the entries that reached their end
+    settle    each decode entry reports the token it was fed (its input), so full blocks enter the
+              prefix cache; finished requests are freed
+
+A request's tokens are its prompt and what it generated; KV exists for `computed` of them, and the next
+input is tokens[computed:] (a prompt chunk, or the one token it sampled last). A preempted request that
+lost its KV is added again with all its tokens as its prompt (prefix caching usually finds most of them),
+so its output is what it would have been.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from .. import cuda_available
+from ..errors import CapacityExceededError, CupykvError, InvalidRequestError, OutOfSlotsError
+from ..host_tier import HostTierFullError
+from ..manager import KVCacheManager
+from ..storage import KVStorage
+from .attention import NAME, PagedBatch, register
+from .config import UnsupportedModelError, spec_from_config, text_config
+
+_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+@dataclass
+class _Request:
+    rid: Hashable
+    tokens: List[int]                  # prompt, then generated
+    prompt_len: int
+    max_new: int
+    salt: object = None
+    computed: int = 0                  # tokens whose KV the cache holds
+    state: str = "waiting"             # waiting | running | suspended | done
+    order: int = 0                     # admission order (the newest is preempted first)
+    hit_tokens: int = 0
+
+    @property
+    def generated(self) -> List[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    forward_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    preempted_suspend: int = 0
+    preempted_recompute: int = 0
+    step_tokens: List[int] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching over a cupykv cache for a transformers causal LM (greedy decoding).
+
+    model: a transformers decoder-only model (its config names the layer windows; see spec_from_config).
+    max_batch: requests held at once. memory_bytes: KV pool bytes (None: room for max_batch requests of
+    max_seq_len tokens). max_step_tokens: tokens per forward (None: 512 + max_batch). host_tier_bytes: a
+    pinned host pool for preempted requests and evicted cached blocks (0: none; preempted requests are
+    computed again). backend: "auto" (cuda when the model is on a GPU, else host), "cuda" or "host".
+    max_seq_len: the longest prompt + output (None: the config's max_position_embeddings)."""
+
+    def __init__(self, model, *, max_batch: int, tokens_per_block: int = 16, memory_bytes: Optional[int] = None,
+                 max_step_tokens: Optional[int] = None, prefix_caching: bool = True, host_tier_bytes: int = 0,
+                 swa_scratch_reuse: bool = True, backend: str = "auto", use_graphs: bool = False,
+                 max_seq_len: Optional[int] = None):
+        import torch
+        self.torch, self.model = torch, model
+        config = getattr(model, "config", None)
+        if config is None:
+            raise UnsupportedModelError(f"{type(model).__name__} has no config: not a transformers model")
+        param = next(model.parameters())
+        self.device = param.device
+        dtype = _DTYPES.get(str(param.dtype))
+        if dtype is None:
+            raise UnsupportedModelError(f"model dtype {param.dtype}: cupykv stores float32, float16 or bfloat16 KV")
+        if backend == "auto":
+            backend = "cuda" if self.device.type == "cuda" else "host"
+        if backend == "cuda" and (self.device.type != "cuda" or not cuda_available()):
+            raise InvalidRequestError(f"backend='cuda' needs the model on a CUDA device and CuPy with a GPU "
+                                      f"(the model is on {self.device})")
+        if backend == "host" and self.device.type != "cpu":
+            raise InvalidRequestError(f"backend='host' keeps the KV in host memory: the model must be on the CPU "
+                                      f"(it is on {self.device}); use backend='cuda'")
+        self.max_step_tokens = int(max_step_tokens) if max_step_tokens is not None else 512 + max_batch
+        c = text_config(config)
+        seq = int(max_seq_len) if max_seq_len is not None else int(getattr(c, "max_position_embeddings", 4096))
+        spec_args = dict(tokens_per_block=tokens_per_block, max_batch=max_batch, dtype=dtype, max_seq_len=seq,
+                         prefix_caching=bool(prefix_caching), swa_scratch_reuse=bool(swa_scratch_reuse),
+                         max_step_tokens=self.max_step_tokens + max_batch)
+        if memory_bytes is None:            # room for max_batch requests of max_seq_len tokens, and a chunk
+            spec_args["slots_per_group"] = self._default_slots(spec_from_config(config, slots_per_group=1, **spec_args))
+        spec = spec_from_config(config, memory_bytes=memory_bytes, **spec_args)
+        self.spec = spec
+        register()
+        self._probe()                   # refuses a model it cannot serve before anything is allocated
+        self.mgr = KVCacheManager(spec, backend=backend, use_graphs=use_graphs)
+        self.storage = KVStorage(self.mgr, host_tier_bytes=int(host_tier_bytes) if host_tier_bytes else None)
+        self.requests: Dict[Hashable, _Request] = {}
+        self.waiting: List[_Request] = []
+        self._ids = itertools.count()
+        self._order = itertools.count()
+        self.stats = EngineStats()
+
+    def _forward(self, batch, input_ids, position_ids):
+        """The model's forward over one packed sequence with the cupykv attention (the model's own
+        attn_implementation is restored after)."""
+        config = self.model.config
+        saved = config._attn_implementation
+        try:
+            config._attn_implementation = NAME
+            with self.torch.no_grad():
+                return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  cupykv_batch=batch, logits_to_keep=0).logits
+        finally:
+            config._attn_implementation = saved
+
+    def _probe(self) -> None:
+        """One token through the model with a batch that touches no cache: every layer must call the cupykv
+        attention, with the window the spec has for it (UnsupportedModelError otherwise)."""
+        torch = self.torch
+        batch = PagedBatch.probe(self.spec, self.device)
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        try:
+            self._forward(batch, one, one)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:        # the model's own refusal (e.g. cross-attention needs encoder states)
+            raise UnsupportedModelError(f"{type(self.model).__name__}: a forward with the cupykv attention failed "
+                                        f"({type(exc).__name__}: {exc})") from exc
+        missing = sorted(set(range(len(self.spec.windows))) - set(batch.layers_seen))
+        if missing:
+            raise UnsupportedModelError(f"{type(self.model).__name__}: layers {missing} do not call the cupykv "
+                                        "attention (an attention implementation that bypasses the backend)")
+
+    def _default_slots(self, spec) -> List[int]:
+        from ..layout import Layout
+        lay = Layout(spec)
+        tpb, chunk = lay.tpb, -(-self.max_step_tokens // lay.tpb) + 1
+        out = []
+        for g in lay.groups:
+            per_request = lay.max_blocks if g.window is None else min(lay.max_blocks, -(-g.window // tpb) + 2)
+            out.append(spec.max_batch * per_request + (0 if g.window is None else chunk))
+        return out
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, rid: Optional[Hashable] = None,
+                    cache_salt=None) -> Hashable:
+        """Queue a prompt (token ids) for max_new_tokens greedy tokens; returns its id. Refused with a
+        CupykvError, nothing queued, when it is empty, too long or could never fit the pool."""
+        tokens = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        if rid is None:
+            rid = next(self._ids)
+        if rid in self.requests:
+            raise InvalidRequestError(f"request {rid!r} exists already")
+        if not tokens:
+            raise InvalidRequestError(f"request {rid!r}: empty prompt")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise InvalidRequestError(f"request {rid!r}: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        need = len(tokens) + int(max_new_tokens)
+        if need > self.spec.max_seq_len:
+            raise CapacityExceededError(f"request {rid!r}: prompt of {len(tokens)} tokens + {max_new_tokens} new "
+                                        f"exceeds max_seq_len={self.spec.max_seq_len}")
+        self._check_fits(rid, need)
+        req = _Request(rid, tokens, len(tokens), int(max_new_tokens), cache_salt)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def _check_fits(self, rid, length: int) -> None:
+        lay = self.mgr.layout
+        for g, slots in zip(lay.groups, lay.slots_per_group):
+            blocks = -(-length // lay.tpb)
+            if g.window is not None:
+                blocks = min(blocks, -(-g.window // lay.tpb) + 1 + -(-self.max_step_tokens // lay.tpb))
+            if blocks > slots:
+                raise OutOfSlotsError(f"request {rid!r}: {length} tokens need {blocks} slots of group {g.index} "
+                                      f"(window {g.window}); the pool has {slots}: it can never fit")
+
+    def has_unfinished(self) -> bool:
+        return any(r.state != "done" for r in self.requests.values())
+
+    def result(self, rid) -> List[int]:
+        """The tokens generated so far for a request."""
+        return list(self.requests[rid].generated)
+
+    def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int, *, cache_salt=None) -> List[List[int]]:
+        """Greedy tokens for every prompt (max_new_tokens each), in order."""
+        rids = [self.add_request(p, max_new_tokens, cache_salt=cache_salt) for p in prompts]
+        while any(self.requests[r].state != "done" for r in rids):
+            self.step()
+        out = [self.result(r) for r in rids]
+        for r in rids:
+            del self.requests[r]
+        return out
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> Dict[Hashable, int]:
+        """Run one forward of the scheduled tokens; returns {request: the token it generated}."""
+        self._admit()
+        self._resume()
+        while True:
+            contexts, generation = self._schedule()
+            if not contexts and not generation:
+                if self.waiting or any(r.state == "suspended" for r in self.requests.values()):
+                    raise OutOfSlotsError("no request can run: the pool is too small for the waiting ones")
+                return {}
+            try:
+                step = self.mgr.prepare_batch([(r.rid, n) for r, n in contexts], [r.rid for r in generation])
+                break
+            except OutOfSlotsError:
+                if not self._preempt():
+                    raise
+        return self._run(step, contexts, generation)
+
+    def _admit(self) -> None:
+        mgr = self.mgr
+        while self.waiting and len(mgr.request_ids) < self.spec.max_batch:
+            req = self.waiting[0]
+            hit = mgr.add(req.rid, len(req.tokens), tokens=req.tokens if self.spec.prefix_caching else None,
+                          cache_salt=req.salt)
+            self.waiting.pop(0)
+            req.computed, req.state, req.order = hit, "running", next(self._order)
+            req.hit_tokens += hit
+            self.stats.hit_tokens += hit
+            self.stats.prompt_tokens += len(req.tokens)
+
+    def _resume(self) -> None:
+        for req in sorted((r for r in self.requests.values() if r.state == "suspended"), key=lambda r: r.order):
+            try:
+                self.storage.resume(req.rid)
+            except OutOfSlotsError:
+                return
+            req.state = "running"
+
+    def _schedule(self):
+        """(contexts [(request, tokens)], generation [request]) within max_step_tokens, decode first."""
+        running = sorted((r for r in self.requests.values() if r.state == "running"), key=lambda r: r.order)
+        generation = [r for r in running if r.computed == len(r.tokens) - 1 and r.computed >= self.mgr.request(r.rid).prompt_len]
+        budget = self.max_step_tokens - len(generation)
+        contexts = []
+        for r in running:
+            if r in generation:
+                continue
+            left = self.mgr.request(r.rid).prompt_len - r.computed
+            if left > 0 and budget > 0:
+                n = min(left, budget)
+                contexts.append((r, n))
+                budget -= n
+        return contexts, generation
+
+    def _preempt(self) -> bool:
+        """Make room: the newest running request leaves the device. False when there is none."""
+        running = [r for r in self.requests.values() if r.state == "running"]
+        if len(running) < 2:
+            return False
+        victim = max(running, key=lambda r: r.order)
+        if self.storage.host_tier is not None:
+            try:
+                self.storage.suspend(victim.rid)
+                victim.state = "suspended"
+                self.stats.preempted_suspend += 1
+                return True
+            except (HostTierFullError, CupykvError):
+                pass
+        self.mgr.free(victim.rid)               # computed again later, all its tokens as the prompt
+        victim.state, victim.computed = "waiting", 0
+        self.waiting.insert(0, victim)
+        self.stats.preempted_recompute += 1
+        return True
+
+    def _run(self, step, contexts, generation) -> Dict[Hashable, int]:
+        torch = self.torch
+        entries = [r for r, _ in contexts] + generation
+        ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in contexts] +
+                             [np.asarray([r.tokens[-1]], np.int64) for r in generation])
+        positions = step.token_positions()
+        cu = step.cu_tokens()
+        batch = PagedBatch(step, self.storage)
+        dev = self.device
+        input_ids = torch.from_numpy(ids).to(dev)[None]
+        position_ids = torch.from_numpy(positions).to(dev)[None]
+        # the last token of each entry whose input ends there gives its next token
+        ends = [e for e, r in enumerate(entries) if e >= len(contexts) or r.computed + contexts[e][1] == len(r.tokens)]
+        try:
+            logits = self._forward(batch, input_ids, position_ids)
+            picked = logits[0, torch.from_numpy(cu[1:][ends] - 1).to(dev)].argmax(-1) if ends else None
+        finally:
+            batch.finish()
+        sampled = picked.tolist() if picked is not None else []
+        fed = {r.rid: [r.tokens[-1]] for r in generation}
+        self.mgr.settle(step, new_tokens=fed if self.spec.prefix_caching else None)
+        out = {}
+        for r, n in contexts:
+            r.computed += n
+        for r in generation:
+            r.computed += 1
+        for e, token in zip(ends, sampled):
+            r = entries[e]
+            r.tokens.append(int(token))
+            out[r.rid] = int(token)
+            if len(r.generated) >= r.max_new:
+                r.state = "done"
+                self.mgr.free(r.rid)
+        s = self.stats
+        s.steps += 1
+        s.forward_tokens += len(ids)
+        s.generated_tokens += len(sampled)
+        s.step_tokens.append(len(ids))
+        return out

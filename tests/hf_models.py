@@ -1,0 +1,52 @@
+"""Tiny random-initialised transformers models of the architectures cupykv serves (float32, eager attention:
+the reference the tests compare against)."""
+import torch
+
+WINDOW = 8
+
+
+def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int = 0, dtype=torch.float32):
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=512, attn_implementation="eager")
+    if arch == "gemma3":          # 5 sliding : 1 full
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=layers or 6, sliding_window=window, **common)
+        cls = tf.Gemma3ForCausalLM
+    elif arch == "gpt_oss":       # alternating, learned sinks, mixture of experts
+        cfg = tf.GptOssConfig(num_hidden_layers=layers or 4, sliding_window=window, num_local_experts=4,
+                              num_experts_per_tok=2, **common)
+        cls = tf.GptOssForCausalLM
+    elif arch == "mistral":       # a window on every layer
+        cfg = tf.MistralConfig(num_hidden_layers=layers or 3, sliding_window=window, **common)
+        cls = tf.MistralForCausalLM
+    elif arch == "qwen2":         # sliding layers from max_window_layers on
+        cfg = tf.Qwen2Config(num_hidden_layers=layers or 4, sliding_window=window, use_sliding_window=True,
+                             max_window_layers=2, **common)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "gemma2":        # alternating, attention logit soft-capping
+        cfg = tf.Gemma2Config(num_hidden_layers=layers or 4, sliding_window=window, attn_logit_softcapping=5.0,
+                              **common)
+        cls = tf.Gemma2ForCausalLM
+    elif arch == "llama":         # full attention everywhere
+        cfg = tf.LlamaConfig(num_hidden_layers=layers or 3, **common)
+        cls = tf.LlamaForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval().to(dtype)
+    if arch == "gpt_oss":          # random sinks large enough to matter
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.normal_(0, 2)
+    return model
+
+
+ARCHS = ["gemma3", "gpt_oss", "mistral", "qwen2", "gemma2", "llama"]
+
+
+def reference_tokens(model, prompt, max_new_tokens):
+    """Greedy tokens of model.generate with its own (eager) attention and cache."""
+    ids = torch.tensor([prompt], device=model.device)
+    # an explicit mask: generate would take token 0 for padding where pad_token_id is 0
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None)
+    return out[0, len(prompt):].tolist()
