@@ -8,7 +8,8 @@ WINDOW = 8
 def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int = 0, dtype=torch.float32):
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=512, attn_implementation="eager")
+                  head_dim=16, max_position_embeddings=512, attn_implementation="eager",
+                  initializer_range=0.2)       # peaked attention: a wrong key shows in the tokens
     if arch == "gemma3":          # 5 sliding : 1 full
         cfg = tf.Gemma3TextConfig(num_hidden_layers=layers or 6, sliding_window=window, **common)
         cls = tf.Gemma3ForCausalLM
@@ -34,6 +35,10 @@ def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).eval().to(dtype)
+    if arch == "gemma3":           # q and k are normalised: scale them up, or attention is nearly uniform
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.data.fill_(3.0)
+            layer.self_attn.k_norm.weight.data.fill_(3.0)
     if arch == "gpt_oss":          # random sinks large enough to matter
         for layer in model.model.layers:
             layer.self_attn.sinks.data.normal_(0, 2)

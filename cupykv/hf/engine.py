@@ -105,9 +105,11 @@ class Engine:
         spec_args = dict(tokens_per_block=tokens_per_block, max_batch=max_batch, dtype=dtype, max_seq_len=seq,
                          prefix_caching=bool(prefix_caching), swa_scratch_reuse=bool(swa_scratch_reuse),
                          max_step_tokens=self.max_step_tokens + max_batch)
-        if memory_bytes is None:            # room for max_batch requests of max_seq_len tokens, and a chunk
-            spec_args["slots_per_group"] = self._default_slots(spec_from_config(config, slots_per_group=1, **spec_args))
-        spec = spec_from_config(config, memory_bytes=memory_bytes, **spec_args)
+        # slots per group: room for max_batch requests of max_seq_len tokens and a prefill chunk, or that
+        # split scaled to memory_bytes
+        spec_args["slots_per_group"] = self._slots(spec_from_config(config, slots_per_group=1, **spec_args),
+                                                   memory_bytes)
+        spec = spec_from_config(config, **spec_args)
         self.spec = spec
         register()
         self._probe()                   # refuses a model it cannot serve before anything is allocated
@@ -150,15 +152,27 @@ class Engine:
             raise UnsupportedModelError(f"{type(self.model).__name__}: layers {missing} do not call the cupykv "
                                         "attention (an attention implementation that bypasses the backend)")
 
-    def _default_slots(self, spec) -> List[int]:
+    def _slots(self, spec, memory_bytes: Optional[int]) -> List[int]:
+        """Slots per group: what max_batch requests of max_seq_len tokens hold (every block with full
+        attention; the window and two blocks with a sliding one) plus a prefill chunk's blocks for sliding
+        groups; scaled down to memory_bytes when given (a chunk's blocks kept whole)."""
         from ..layout import Layout
         lay = Layout(spec)
-        tpb, chunk = lay.tpb, -(-self.max_step_tokens // lay.tpb) + 1
-        out = []
+        tpb, chunk = lay.tpb, min(lay.max_blocks, -(-self.max_step_tokens // lay.tpb) + 1)
+        want, extra = [], []
         for g in lay.groups:
             per_request = lay.max_blocks if g.window is None else min(lay.max_blocks, -(-g.window // tpb) + 2)
-            out.append(spec.max_batch * per_request + (0 if g.window is None else chunk))
-        return out
+            want.append(spec.max_batch * per_request)
+            extra.append(0 if g.window is None else chunk)
+        if memory_bytes is None:
+            return [w + x for w, x in zip(want, extra)]
+        sizes = [lay.slot_bytes(g) for g in lay.groups]
+        fixed = sum(x * b for x, b in zip(extra, sizes))
+        scale = (int(memory_bytes) - fixed) / sum(w * b for w, b in zip(want, sizes))
+        if scale <= 0:
+            raise InvalidRequestError(f"memory_bytes={memory_bytes}: too small for one prefill chunk of "
+                                      f"max_step_tokens={self.max_step_tokens} ({fixed} bytes)")
+        return [max(1, int(w * scale)) + x for w, x in zip(want, extra)]
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, rid: Optional[Hashable] = None,
@@ -189,7 +203,7 @@ class Engine:
         for g, slots in zip(lay.groups, lay.slots_per_group):
             blocks = -(-length // lay.tpb)
             if g.window is not None:
-                blocks = min(blocks, -(-g.window // lay.tpb) + 1 + -(-self.max_step_tokens // lay.tpb))
+                blocks = min(blocks, -(-g.window // lay.tpb) + 2 + -(-self.max_step_tokens // lay.tpb))
             if blocks > slots:
                 raise OutOfSlotsError(f"request {rid!r}: {length} tokens need {blocks} slots of group {g.index} "
                                       f"(window {g.window}); the pool has {slots}: it can never fit")
