@@ -173,7 +173,12 @@ class PrefixCache:
         if self.host is None:
             self._forget(p, slots.tolist())
             return
-        moves = []
+        # host slot -> the device slot copied into it. Making way can take a host slot this very call gave
+        # an earlier evicted block (the tier has fewer free slots than blocks are evicted): that block left
+        # the cache again, and its copy must go too. Two copies into one host slot in one copy_runs would
+        # run at once on CUDA (the copy kernel's threads split every run) and leave a mix of both blocks
+        # under the later one's hash.
+        moves: Dict[int, int] = {}
         for s in slots.tolist():
             h = self.hash_of[p].pop(s, None)
             if h is None:
@@ -189,9 +194,9 @@ class PrefixCache:
                 self._event((REMOVED, p, h))
                 continue
             self.host_by_hash[p][h], self.host_hash_of[p][hs] = hs, h
-            moves.append((s, hs))
+            moves[hs] = s
         if moves:
-            dev, host = (np.array(a, np.int64) for a in zip(*moves))
+            host, dev = (np.array(a, np.int64) for a in zip(*moves.items()))
             # the slots' new owner writes them only after this copy: its step waits for the event
             self.pending.append(self.host.copy_out(p, dev, host))
 

@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [idle] [probes] [tier-copies] [footprint]
+# [kv-content] [hf] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [idle] [probes] [tier-copies] [footprint]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -39,6 +39,16 @@ for part in $parts; do
           tests/test_races.py tests/test_staging.py tests/test_graphs.py tests/test_interop.py \
           tests/test_storage.py tests/test_kernel_compile.py tests/test_snapshot_path.py tests/test_devices.py \
           tests/test_host_tier.py tests/test_cache_host_tier.py ;;
+    kv-content)   # KV read back through the tables (tests/kvcontent.py): the replay of the CUDA prefix-hit report
+                  # (also in old_tree, when there, to show it failed there), and KV_SEEDS random workloads
+      for i in 1 2 3; do run "replay_$i" timeout 120 python3 scripts/replay_kv.py --backend cuda --history; done
+      [ -d old_tree/cupykv ] && (cd old_tree && timeout 120 python3 scripts/replay_kv.py --backend cuda --history \
+          >"$OUT/replay_old_tree.log" 2>&1; echo "== replay in old_tree rc=$?"; grep -E "^replay|^note" "$OUT/replay_old_tree.log")
+      CUPYKV_KV_SEEDS=${KV_SEEDS:-200} run kv_content timeout ${KV_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
+          tests/test_kv_content.py tests/test_cache_host_tier.py -k cuda ;;
+    hf)   # transformers models served on cupykv, on the GPU (tests/test_hf.py) and the example
+      run hf timeout ${HF_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider tests/test_hf.py -k "cuda or bf16"
+      [ -f examples/hf_generate.py ] && run hf_example timeout 120 python3 examples/hf_generate.py ;;
     sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all;
                 # SANITIZE_TESTS / SANITIZE_K: other test files / another -k selection
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

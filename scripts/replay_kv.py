@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import cupykv  # noqa: E402
+from cupykv.storage import KVStorage  # noqa: E402
 from kvcontent import KVChecker, KVContentError, make_eager  # noqa: E402
 
 TRACE = os.path.join(HERE, "..", "tests", "data", "cuda_prefix_host_tier_kv.md")
@@ -108,7 +109,7 @@ def replay(path: str, backend: str = "host", eager: bool = False, lazy: str = ""
     mgr = cupykv.KVCacheManager(cupykv.CacheSpec(**SPEC), backend=backend)
     if eager:
         make_eager(mgr.backend, lazy)
-    storage = cupykv.KVStorage(mgr, host_tier_bytes=HOST_TIER_BYTES)
+    storage = KVStorage(mgr, host_tier_bytes=HOST_TIER_BYTES)
     check = KVChecker(mgr, storage)
     steps, fed_of, hits = {}, {}, {}
     where = [0]

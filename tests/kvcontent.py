@@ -16,7 +16,7 @@ Used by the KV-content property test (tests/test_kv_content.py), the replay of t
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Sequence
 
 import numpy as np
 
@@ -250,7 +250,8 @@ class Workload:
             make_eager(self.mgr.backend, TIMINGS[timing])
         slot_bytes = self.spec.tokens_per_block * 2 * 3 * 4 * 2     # one layer's K and V of a block
         tier = host_tier_bytes if host_tier_bytes is not None else int(rng.integers(3, 12)) * slot_bytes * len(self.spec.windows)
-        self.storage = cupykv.KVStorage(self.mgr, host_tier_bytes=tier)
+        from cupykv.storage import KVStorage
+        self.storage = KVStorage(self.mgr, host_tier_bytes=tier)
         self.check = KVChecker(self.mgr, self.storage)
         self.prefixes = [rng.integers(0, 50, int(rng.integers(8, 30))).tolist() for _ in range(3)]
         self.salts = [None, "alpha", b"beta"]
@@ -302,7 +303,7 @@ class Workload:
 
     def settle(self) -> None:
         step, fed = self.unsettled[0]
-        rng, n = self.rng, len(step.request_ids)
+        rng = self.rng
         accepted = [int(c) if e < step.num_contexts or rng.random() < 0.7
                     else int(rng.integers(max(0, int(c) - self.spec.max_rewind), int(c) + 1))
                     for e, c in enumerate(step.num_tokens)]

@@ -244,3 +244,63 @@ def test_a_host_hit_that_needs_slots_held_by_its_own_device_hits_is_refused_whol
     assert before["free"] == 0 and before["evictable"] == 3
     assert mgr.add("b", 48, tokens=a + [1] * 8) == 0
     assert mgr.stats()["groups"][1] == before
+
+
+def test_evictions_past_the_host_tiers_free_slots_copy_each_host_slot_once(backend_name):
+    """One allocation evicts more cached blocks than the host tier has free slots: making way takes host
+    slots this same eviction gave earlier blocks. Each host slot must be written once, with the block the
+    cache names there (two copies into one host slot in one copy ran at once on CUDA and mixed two blocks'
+    KV: the reported wrong prefix hit), and a later hit on it reads exactly that block's KV."""
+    from kvcontent import KVChecker
+    spec = cupykv.CacheSpec(windows=[None, None], num_kv_heads=2, head_dim=3, tokens_per_block=4, max_seq_len=32,
+                            max_batch=2, slots_per_group=6, prefix_caching=True, dtype="float32")
+    mgr = cupykv.KVCacheManager(spec, backend=backend_name)
+    slot_bytes = 2 * 2 * 4 * 2 * 3 * 4                  # K and V of 2 layers x tpb x heads x dim x float32
+    storage = KVStorage(mgr, host_tier_bytes=slot_bytes)   # one host slot
+    check = KVChecker(mgr, storage)
+    copies = []
+    copy_out = storage.host_tier.copy_out
+    storage.host_tier.copy_out = lambda p, dev, host: copies.append(host.tolist()) or copy_out(p, dev, host)
+    rng = np.random.default_rng(5)
+
+    def run(rid, tokens, salt):
+        hit = mgr.add(rid, len(tokens), tokens=tokens, cache_salt=salt)
+        check.add(rid, tokens, salt, hit)
+        step = mgr.prepare_batch({rid: len(tokens) - hit})
+        check.consume(step, {})
+        mgr.settle(step)
+        mgr.synchronize()
+        check.check()
+        mgr.free(rid)
+        check.free(rid)
+        mgr.reclaim(wait=True)
+        return hit
+
+    a, b = rng.integers(0, 99, 8).tolist(), rng.integers(0, 99, 8).tolist()
+    run("a", a, "sa")                                    # 2 cached blocks
+    run("b", b, "sb")                                    # 2 more: 4 evictable, 2 free
+    run("c", rng.integers(0, 99, 20).tolist(), "sc")     # 5 blocks: 3 evicted at once into 1 host slot
+    assert copies and all(len(set(h)) == len(h) for h in copies), copies
+    assert mgr.cache.host_by_hash[0], "the last evicted block stays cached in the host tier"
+    # the host slot holds b's block 0 (evicted last of the three): a hit on it is copied back and read
+    assert run("d", b[:4] + rng.integers(0, 99, 3).tolist(), "sb") == 4
+
+
+def test_copy_runs_refuses_overlapping_destinations(backend_name):
+    """copy_runs' runs run at once on CUDA: two that write one place are refused on every backend, before
+    anything is copied."""
+    mgr = cupykv.KVCacheManager(cupykv.CacheSpec(windows=[None], num_kv_heads=1, head_dim=4, slots_per_group=4,
+                                                 tokens_per_block=4, dtype="float32"), backend=backend_name)
+    be = mgr.backend
+    src = be.pinned_bytes(4 * 64).reshape(4, 64)
+    src[:] = np.arange(4, dtype=np.uint8)[:, None]
+    xp = be.xp
+    dst = xp.zeros((4, 64), np.uint8)
+    with pytest.raises(ValueError, match="overlapping destination"):
+        be.copy_runs(dst, src, [(0, 0, 2), (1, 3, 1)], 64, be.stream)
+    be.synchronize()
+    assert int(dst.sum()) == 0
+    be.copy_runs(dst, src, [(0, 0, 2), (2, 3, 1)], 64, be.stream)     # adjacent, not overlapping
+    be.synchronize()
+    got = dst if xp is np else dst.get()
+    assert got[:, 0].tolist() == [0, 1, 3, 0]

@@ -11,7 +11,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 
 import cupykv  # noqa: E402
 import cupykv.hf as hf  # noqa: E402
-from hf_models import ARCHS, WINDOW, reference_tokens, tiny_model  # noqa: E402
+from cupykv.hf.tiny import ARCHS, WINDOW, reference_tokens, tiny_model  # noqa: E402
 
 NEW = 8
 

@@ -23,4 +23,12 @@ def run_table(runs, unit_bytes: int, dst_nbytes: int, src_nbytes: int) -> np.nda
                          | (n > dst_units - d0) | (n > src_units - s0))
     if len(bad):
         raise ValueError(f"copy_runs: run {tuple(table[bad[0]].tolist())} of {unit_bytes} B units is out of range")
+    if len(table) > 1:      # the CUDA copy kernel runs every run at once: two that write one place race
+        order = np.argsort(d0, kind="stable")
+        ends = d0[order] + n[order]
+        clash = np.flatnonzero(ends[:-1] > d0[order][1:])
+        if len(clash):
+            a, b = table[order[clash[0]]].tolist(), table[order[clash[0] + 1]].tolist()
+            raise ValueError(f"copy_runs: runs {tuple(a)} and {tuple(b)} of {unit_bytes} B units write overlapping "
+                             "destination ranges")
     return table

@@ -1,5 +1,7 @@
-"""Tiny random-initialised transformers models of the architectures cupykv serves (float32, eager attention:
-the reference the tests compare against)."""
+"""Tiny random-initialised transformers models of the architectures cupykv serves, for trying the Engine
+without downloading weights, and for the tests: float32, transformers' eager attention (the reference the
+tests compare against), weights drawn large enough that attention is peaked (a wrong key changes tokens).
+"""
 import torch
 
 WINDOW = 8
