@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_usage_runs():
-    code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    code = next(c for c in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                if "KVCacheManager" in c)
     namespace = {}
     exec(compile(code.replace('backend="auto"', 'backend="host"'), "README.md", "exec"), namespace)
     assert namespace["mgr"].stats()["requests"] == 1
@@ -24,3 +25,14 @@ def test_quickstart_runs(monkeypatch, capsys):
     except SystemExit as e:
         assert e.code == 0
     assert "quickstart OK on the host backend" in capsys.readouterr().out
+
+
+def test_readme_transformers_example_runs():
+    import pytest
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    code = next(c for c in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                if "cupykv.hf" in c)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert len(namespace["answer"]) == len(namespace["follow_up"]) == 8
+    assert namespace["engine"].stats.hit_tokens >= 48
