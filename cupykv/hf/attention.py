@@ -14,8 +14,8 @@ sinks (GPT-OSS's `s_aux`: one logit per query head that joins each row's softmax
 arithmetic follows transformers' eager attention (products in the model's dtype, softmax in float32), so
 greedy tokens match `model.generate` exactly in float32.
 
-This is the reference path: torch only, on the CPU (host backend) or the GPU (cuda backend), one entry at
-a time. Every tensor here is a torch tensor over cupykv's buffers (cupykv.interop), ordered after the
+Torch only, on the CPU (host backend) or the GPU (cuda backend): context chunks one entry at a time,
+decode entries (one token each) all at once over the blocks each can see. Every tensor here is a torch tensor over cupykv's buffers (cupykv.interop), ordered after the
 step's `ready` on torch's current stream.
 """
 from __future__ import annotations
@@ -56,6 +56,16 @@ class PagedBatch:
         self.starts = step.start_positions.astype(np.int64)
         self.total = int(self.cu[-1])
         self.layers_seen: List[int] = []
+        # Decode entries of one token each are attended all at once (attend_decode): their first one and
+        # their positions on the model's device, once for every layer.
+        self.num_loop = step.num_contexts
+        n = step.num_tokens[step.num_contexts:]
+        if len(n) and (n == 1).all():
+            device = self.tables.device
+            self.decode_starts = torch.from_numpy(self.starts[step.num_contexts:]).to(device)
+            self.decode_entries = torch.arange(step.num_contexts, step.num_seqs, device=device)
+        else:
+            self.num_loop = step.num_seqs
 
     @classmethod
     def probe(cls, spec, device) -> "PagedBatch":
@@ -69,7 +79,7 @@ class PagedBatch:
         batch.layer_group = [int(g) for g in layout.layer_group]
         batch.windows, batch.tpb, batch.per_layer = list(spec.windows), layout.tpb, True
         batch.cu, batch.starts, batch.total = np.array([0, 1]), np.array([0]), 1
-        batch.layers_seen = []
+        batch.layers_seen, batch.num_loop = [], 1
         return batch
 
     def finish(self) -> None:
@@ -98,7 +108,10 @@ class PagedBatch:
         group = q_heads // kv_heads
         out = query.new_empty((1, self.total, q_heads, query.shape[3]))
         tpb = self.tpb
-        for e in range(len(self.starts)):
+        if self.num_loop < len(self.starts):
+            c0 = int(self.cu[self.num_loop])
+            self.attend_decode(layer, query[0, :, c0:].transpose(0, 1), scaling, softcap, sinks, out[0, c0:])
+        for e in range(self.num_loop):
             c0, c1, start = int(self.cu[e]), int(self.cu[e + 1]), int(self.starts[e])
             if c1 == c0:
                 continue
@@ -130,6 +143,54 @@ class PagedBatch:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
             out[0, c0:c1] = torch.matmul(probs, v).transpose(0, 1)
         return out
+
+
+    def attend_decode(self, layer: int, q, scaling: float, softcap: Optional[float], sinks, out,
+                      budget: int = 1 << 26) -> None:
+        """The decode entries (one token each) at once: q [m, q_heads, head_dim] -> out [m, q_heads,
+        head_dim]. Each entry gathers the blocks its query can see (the window's, or all up to the longest
+        sequence) through its table row; positions outside (p - W, p] or past p are masked. Entries go in
+        chunks of at most `budget` gathered K elements."""
+        torch = self.torch
+        pages = self.pages[self.layer_group[layer]]
+        window, tpb, table = self.windows[layer], self.tpb, self.tables[layer]
+        m, q_heads, d = q.shape
+        kv_heads = pages.shape[2]
+        starts_host = self.starts[self.num_loop:]
+        if window is None:
+            span = -(-(int(starts_host.max()) + 1) // tpb)
+        else:
+            span = -(-window // tpb) + 1
+        span = min(span, table.shape[-1])
+        step = max(1, budget // (span * tpb * kv_heads * d))
+        offsets = torch.arange(span, device=q.device)
+        within = torch.arange(tpb, device=q.device)
+        for a in range(0, m, step):
+            b = min(m, a + step)
+            starts = self.decode_starts[a:b]
+            first = (starts - window + 1).clamp(min=0) // tpb if window is not None else torch.zeros_like(starts)
+            blocks = (first[:, None] + offsets).clamp(max=table.shape[-1] - 1)           # [n, span]
+            rows = self.decode_entries[a:b, None]
+            k_pages, v_pages = table[rows, 0, blocks].long(), table[rows, 1, blocks].long()
+            kpos = (blocks[:, :, None] * tpb + within).flatten(1)                          # [n, span * tpb]
+            visible = (kpos <= starts[:, None]) & (k_pages >= 0).repeat_interleave(tpb, dim=1)
+            if window is not None:
+                visible &= kpos > starts[:, None] - window
+            k = pages[k_pages.clamp(min=0)].flatten(1, 2).to(q.dtype)                     # [n, keys, kv_heads, d]
+            v = pages[v_pages.clamp(min=0)].flatten(1, 2).to(q.dtype)
+            qg = q[a:b].reshape(b - a, kv_heads, q_heads // kv_heads, d)
+            scores = torch.einsum("nhgd,nkhd->nhgk", qg, k) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            if sinks is not None:
+                sink = sinks.reshape(1, kv_heads, -1, 1).expand(b - a, -1, -1, 1).to(scores.dtype)
+                scores = torch.cat((scores, sink), dim=-1)
+                scores = scores - scores.max(dim=-1, keepdim=True).values
+                probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+            out[a:b] = torch.einsum("nhgk,nkhd->nhgd", probs, v).reshape(b - a, q_heads, d)
 
 
 def cupykv_attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
