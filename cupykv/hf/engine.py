@@ -1,23 +1,27 @@
 """Engine: greedy generation with a transformers model whose KV cache is cupykv.
 
-One step of the engine:
+One call of `step()`:
 
     admit     waiting requests take free rows: add() with their tokens (a prefix hit skips the cached part)
     resume    suspended requests come back from the host tier while slots allow
     schedule  every running request with one token to compute decodes it; prompts (and recomputed
-              requests) prefill in chunks while max_step_tokens allows
-    prepare   prepare_batch(contexts, generation); OutOfSlotsError preempts the newest running request
-              (suspend to the host tier when there is one and it has room, else free it and compute its
-              tokens again later) and prepares again
-    forward   one packed forward of the step's tokens, attn_implementation="cupykv" (attention.py)
-    finish    the step's finish on torch's stream; greedy tokens of the entries that reached their end
-    settle    each decode entry reports the token it was fed (its input), so full blocks enter the
-              prefix cache; finished requests are freed
+              requests) prefill in chunks while max_step_tokens allows. Counts only: a token the previous
+              step samples is still on the device when this step is scheduled
+    prepare   prepare_batch(contexts, generation); OutOfSlotsError first completes the previous step, then
+              preempts the newest running request (suspend to the host tier when there is one with room,
+              else free it and compute its tokens again later) and prepares again
+    forward   one packed forward of the step's tokens, attn_implementation="cupykv" (attention.py); a
+              decode entry whose token the previous step sampled reads it on the device; the greedy tokens
+              of the entries that reached their end stay on the device, with a copy to the host under way
+    finish    the step's finish on torch's stream
+    complete  the previous step: wait for its sampled tokens on the host (this step is already enqueued,
+              so the GPU stays busy), settle it (each decode entry reports the token it was fed, so full
+              blocks enter the prefix cache), and free the requests it finished
 
-A request's tokens are its prompt and what it generated; KV exists for `computed` of them, and the next
-input is tokens[computed:] (a prompt chunk, or the one token it sampled last). A preempted request that
-lost its KV is added again with all its tokens as its prompt (prefix caching usually finds most of them),
-so its output is what it would have been.
+So the CPU prepares step N+1 while the GPU runs step N. A request's KV covers `scheduled` of its tokens
+(KV computed or in flight) and `expected` counts its tokens with the one in flight; its next input is
+positions [scheduled, expected). A preempted request that lost its KV is added again with all its tokens
+as its prompt (prefix caching usually finds most of them), so its output is what it would have been.
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ class _Request:
     prompt_len: int
     max_new: int
     salt: object = None
-    computed: int = 0                  # tokens whose KV the cache holds
+    scheduled: int = 0                 # tokens whose KV is computed or in a step in flight
+    expected: int = 0                  # len(tokens), plus one while a step in flight samples its next token
     state: str = "waiting"             # waiting | running | suspended | done
     order: int = 0                     # admission order (the newest is preempted first)
     hit_tokens: int = 0
@@ -118,6 +123,7 @@ class Engine:
         self.requests: Dict[Hashable, _Request] = {}
         self.waiting: List[_Request] = []
         self._ids = itertools.count()
+        self._in_flight: Optional[_InFlight] = None
         self._order = itertools.count()
         self.stats = EngineStats()
 
@@ -193,7 +199,7 @@ class Engine:
             raise CapacityExceededError(f"request {rid!r}: prompt of {len(tokens)} tokens + {max_new_tokens} new "
                                         f"exceeds max_seq_len={self.spec.max_seq_len}")
         self._check_fits(rid, need)
-        req = _Request(rid, tokens, len(tokens), int(max_new_tokens), cache_salt)
+        req = _Request(rid, tokens, len(tokens), int(max_new_tokens), cache_salt, expected=len(tokens))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -220,6 +226,7 @@ class Engine:
         rids = [self.add_request(p, max_new_tokens, cache_salt=cache_salt) for p in prompts]
         while any(self.requests[r].state != "done" for r in rids):
             self.step()
+        self.flush()
         out = [self.result(r) for r in rids]
         for r in rids:
             del self.requests[r]
@@ -227,22 +234,33 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> Dict[Hashable, int]:
-        """Run one forward of the scheduled tokens; returns {request: the token it generated}."""
+        """Enqueue one forward of the scheduled tokens and complete the previous one; returns {request:
+        token} for the tokens that became known (the previous step's, one step behind the device)."""
         self._admit()
         self._resume()
         while True:
             contexts, generation = self._schedule()
             if not contexts and not generation:
-                if self.waiting or any(r.state == "suspended" for r in self.requests.values()):
+                done = self.flush()
+                if not done and (self.waiting or any(r.state == "suspended" for r in self.requests.values())):
                     raise OutOfSlotsError("no request can run: the pool is too small for the waiting ones")
-                return {}
+                return done
             try:
                 step = self.mgr.prepare_batch([(r.rid, n) for r, n in contexts], [r.rid for r in generation])
                 break
             except OutOfSlotsError:
+                if self._in_flight is not None:         # its settle may release slots, and preemption
+                    done = self.flush()                 # needs every request settled
+                    return done
                 if not self._preempt():
                     raise
-        return self._run(step, contexts, generation)
+        previous, self._in_flight = self._in_flight, self._launch(step, contexts, generation, self._in_flight)
+        return self._complete(previous) if previous is not None else {}
+
+    def flush(self) -> Dict[Hashable, int]:
+        """Complete the step in flight (wait for its tokens, settle it); returns its tokens."""
+        previous, self._in_flight = self._in_flight, None
+        return self._complete(previous) if previous is not None else {}
 
     def _admit(self) -> None:
         mgr = self.mgr
@@ -251,7 +269,7 @@ class Engine:
             hit = mgr.add(req.rid, len(req.tokens), tokens=req.tokens if self.spec.prefix_caching else None,
                           cache_salt=req.salt)
             self.waiting.pop(0)
-            req.computed, req.state, req.order = hit, "running", next(self._order)
+            req.scheduled, req.state, req.order = hit, "running", next(self._order)
             req.hit_tokens += hit
             self.stats.hit_tokens += hit
             self.stats.prompt_tokens += len(req.tokens)
@@ -267,13 +285,13 @@ class Engine:
     def _schedule(self):
         """(contexts [(request, tokens)], generation [request]) within max_step_tokens, decode first."""
         running = sorted((r for r in self.requests.values() if r.state == "running"), key=lambda r: r.order)
-        generation = [r for r in running if r.computed == len(r.tokens) - 1 and r.computed >= self.mgr.request(r.rid).prompt_len]
+        running = [r for r in running if r.expected - r.prompt_len < r.max_new or r.scheduled < r.expected - 1]
+        generation = [r for r in running
+                      if r.scheduled == r.expected - 1 and r.scheduled >= self.mgr.request(r.rid).prompt_len]
         budget = self.max_step_tokens - len(generation)
         contexts = []
         for r in running:
-            if r in generation:
-                continue
-            left = self.mgr.request(r.rid).prompt_len - r.computed
+            left = self.mgr.request(r.rid).prompt_len - r.scheduled
             if left > 0 and budget > 0:
                 n = min(left, budget)
                 contexts.append((r, n))
@@ -295,47 +313,89 @@ class Engine:
             except (HostTierFullError, CupykvError):
                 pass
         self.mgr.free(victim.rid)               # computed again later, all its tokens as the prompt
-        victim.state, victim.computed = "waiting", 0
+        victim.state, victim.scheduled = "waiting", 0
         self.waiting.insert(0, victim)
         self.stats.preempted_recompute += 1
         return True
 
-    def _run(self, step, contexts, generation) -> Dict[Hashable, int]:
-        torch = self.torch
+    def _launch(self, step, contexts, generation, previous) -> "_InFlight":
+        """Enqueue the step's forward; its sampled tokens stay on the device (and start for the host)."""
+        torch, dev = self.torch, self.device
         entries = [r for r, _ in contexts] + generation
-        ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in contexts] +
-                             [np.asarray([r.tokens[-1]], np.int64) for r in generation])
-        positions = step.token_positions()
+        ids = np.concatenate([np.asarray(r.tokens[r.scheduled:r.scheduled + n], np.int64) for r, n in contexts] +
+                             [np.asarray([r.tokens[-1] if r.expected == len(r.tokens) else -1], np.int64)
+                              for r in generation])
+        # decode entries whose token the previous step sampled: read it there, on the device
+        late = [(len(ids) - len(generation) + j, previous.index[r.rid]) for j, r in enumerate(generation)
+                if r.expected > len(r.tokens)]
         cu = step.cu_tokens()
+        ends = [e for e, r in enumerate(entries)
+                if e >= len(contexts) or r.scheduled + contexts[e][1] == r.expected]
+        fed = {r.rid: r.tokens[-1] for r in generation if r.expected == len(r.tokens)}
+        for r, n in contexts:
+            r.scheduled += n
+        for r in generation:
+            r.scheduled += 1
+        for e in ends:
+            entries[e].expected += 1
         batch = PagedBatch(step, self.storage)
-        dev = self.device
-        input_ids = torch.from_numpy(ids).to(dev)[None]
-        position_ids = torch.from_numpy(positions).to(dev)[None]
-        # the last token of each entry whose input ends there gives its next token
-        ends = [e for e, r in enumerate(entries) if e >= len(contexts) or r.computed + contexts[e][1] == len(r.tokens)]
         try:
-            logits = self._forward(batch, input_ids, position_ids)
-            picked = logits[0, torch.from_numpy(cu[1:][ends] - 1).to(dev)].argmax(-1) if ends else None
+            input_ids = torch.from_numpy(ids).to(dev)
+            if late:
+                at, src = (torch.tensor(x, device=dev) for x in zip(*late))
+                input_ids[at] = previous.sampled[src]
+            position_ids = torch.from_numpy(step.token_positions()).to(dev)[None]
+            logits = self._forward(batch, input_ids[None], position_ids)
+            sampled = logits[0, torch.from_numpy(cu[1:][ends] - 1).to(dev)].argmax(-1) if ends else None
         finally:
             batch.finish()
-        sampled = picked.tolist() if picked is not None else []
-        fed = {r.rid: [r.tokens[-1]] for r in generation}
-        self.mgr.settle(step, new_tokens=fed if self.spec.prefix_caching else None)
+        host, ready = None, None
+        if sampled is not None:
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=dev.type == "cuda")
+            host.copy_(sampled, non_blocking=True)
+            if dev.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+        s = self.stats
+        s.steps += 1
+        s.forward_tokens += len(ids)
+        s.step_tokens.append(len(ids))
+        return _InFlight(step, [entries[e] for e in ends], {entries[e].rid: j for j, e in enumerate(ends)},
+                         generation, fed, sampled, host, ready, input_ids if late else None,
+                         [j for j, _ in late])
+
+    def _complete(self, f: "_InFlight") -> Dict[Hashable, int]:
+        """The step's tokens on the host, its settle, and the requests it finished."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        tokens = f.host.tolist() if f.host is not None else []
+        if f.late_ids is not None:          # the decode inputs this step read on the device, for settle
+            late = f.late_ids[f.late].tolist()
+            for j, token in zip(f.late, late):
+                f.fed[f.generation[j - (len(f.late_ids) - len(f.generation))].rid] = token
+        new = {r.rid: [f.fed[r.rid]] for r in f.generation} if self.spec.prefix_caching else None
+        self.mgr.settle(f.step, new_tokens=new)
         out = {}
-        for r, n in contexts:
-            r.computed += n
-        for r in generation:
-            r.computed += 1
-        for e, token in zip(ends, sampled):
-            r = entries[e]
+        for r, token in zip(f.sampled_by, tokens):
             r.tokens.append(int(token))
             out[r.rid] = int(token)
             if len(r.generated) >= r.max_new:
                 r.state = "done"
                 self.mgr.free(r.rid)
-        s = self.stats
-        s.steps += 1
-        s.forward_tokens += len(ids)
-        s.generated_tokens += len(sampled)
-        s.step_tokens.append(len(ids))
+        self.stats.generated_tokens += len(tokens)
         return out
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward is enqueued and whose tokens are not on the host yet."""
+    step: object
+    sampled_by: List[_Request]           # the requests whose next token the step samples, in order
+    index: Dict[Hashable, int]           # request -> its place in `sampled`
+    generation: List[_Request]           # the step's decode entries
+    fed: Dict[Hashable, int]             # decode entry -> the token it was fed (known on the host)
+    sampled: object                      # torch [len(sampled_by)] on the model's device, or None
+    host: object                         # its copy on the host (pinned), complete once `ready` is
+    ready: object                        # torch.cuda.Event after the copy, or None
+    late_ids: object                     # the step's input ids where some came from the device, else None
+    late: List[int]                      # their places in it
