@@ -18,6 +18,8 @@ Subcommands (each with its own --help):
                                                copies, overlap with decode steps (host_tier.json, host_tier.md)
   python -m cupykv.bench devices --out DIR     one manager on 1 and 2 devices (devices=[0], [0, 0], [0, 1]):
                                                host and device time per decode step (devices.json, devices.md)
+  python -m cupykv.bench serve --out DIR       transformers models served on cupykv against transformers'
+                                               continuous batching and generate (serve.json, serve.md)
 """
 from __future__ import annotations
 
@@ -290,12 +292,18 @@ def _main_devices(argv: List[str]) -> int:
     return main_devices(argv)
 
 
+def _main_serve(argv: List[str]) -> int:
+    from .serve import main as main_serve
+    return main_serve(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark, print the table and write the outputs; the exit status (0: every output matched
     the reference and every configuration ran; 1: not; 2: bad arguments or no GPU for the full matrix).
     A first argument 'prefix', 'host-tier' or 'devices' runs that benchmark instead."""
     args = sys.argv[1:] if argv is None else list(argv)
-    subcommands = {"prefix": main_prefix, "host-tier": main_host_tier, "devices": _main_devices}
+    subcommands = {"prefix": main_prefix, "host-tier": main_host_tier, "devices": _main_devices,
+                   "serve": _main_serve}
     if args and args[0] in subcommands:
         return subcommands[args[0]](args[1:])
     settings = parse_args(argv)

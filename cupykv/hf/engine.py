@@ -70,6 +70,13 @@ class EngineStats:
     preempted_suspend: int = 0
     preempted_recompute: int = 0
     step_tokens: List[int] = field(default_factory=list)
+    # per layer kind ("full", "window W"): the most KV bytes one layer held (slots owned by requests and
+    # scratch, at a step's prepare); recorded with Engine(profile=True)
+    peak_kv_bytes_per_layer: Dict[str, int] = field(default_factory=dict)
+    # with profile=True on CUDA: seconds of forward passes, and of the GPU's idle gaps between one forward's
+    # end and the next one's start (what the host did meanwhile: cupykv's prepare, the batch, the launch)
+    forward_s: float = 0.0
+    idle_s: float = 0.0
 
 
 class Engine:
@@ -80,12 +87,13 @@ class Engine:
     max_seq_len tokens). max_step_tokens: tokens per forward (None: 512 + max_batch). host_tier_bytes: a
     pinned host pool for preempted requests and evicted cached blocks (0: none; preempted requests are
     computed again). backend: "auto" (cuda when the model is on a GPU, else host), "cuda" or "host".
-    max_seq_len: the longest prompt + output (None: the config's max_position_embeddings)."""
+    max_seq_len: the longest prompt + output (None: the config's max_position_embeddings). profile: record
+    the peak KV bytes per layer kind and, on CUDA, the GPU's idle time between forwards (EngineStats)."""
 
     def __init__(self, model, *, max_batch: int, tokens_per_block: int = 16, memory_bytes: Optional[int] = None,
                  max_step_tokens: Optional[int] = None, prefix_caching: bool = True, host_tier_bytes: int = 0,
                  swa_scratch_reuse: bool = True, backend: str = "auto", use_graphs: bool = False,
-                 max_seq_len: Optional[int] = None):
+                 max_seq_len: Optional[int] = None, profile: bool = False):
         import torch
         self.torch, self.model = torch, model
         config = getattr(model, "config", None)
@@ -124,6 +132,8 @@ class Engine:
         self.waiting: List[_Request] = []
         self._ids = itertools.count()
         self._in_flight: Optional[_InFlight] = None
+        self.profile = bool(profile)
+        self._events: List[tuple] = []          # (start, end) CUDA events of each forward, with profile
         self._order = itertools.count()
         self.stats = EngineStats()
 
@@ -258,9 +268,27 @@ class Engine:
         return self._complete(previous) if previous is not None else {}
 
     def flush(self) -> Dict[Hashable, int]:
-        """Complete the step in flight (wait for its tokens, settle it); returns its tokens."""
+        """Complete the step in flight (wait for its tokens, settle it); returns its tokens. With profile,
+        the forwards' times and the idle gaps between them are added to stats (the GPU was busy, or waiting
+        for the host, in between)."""
         previous, self._in_flight = self._in_flight, None
-        return self._complete(previous) if previous is not None else {}
+        out = self._complete(previous) if previous is not None else {}
+        if self._events:
+            self._events[-1][1].synchronize()
+            for (a, b), (c, _) in zip(self._events, self._events[1:] + [(None, None)]):
+                self.stats.forward_s += a.elapsed_time(b) / 1e3
+                if c is not None:
+                    self.stats.idle_s += max(0.0, b.elapsed_time(c) / 1e3)
+            self._events = []
+        return out
+
+    def _record_kv(self) -> None:
+        lay = self.mgr.layout
+        peak = self.stats.peak_kv_bytes_per_layer
+        for g, st in zip(lay.groups, self.mgr.stats()["groups"]):
+            kind = "full" if g.window is None else f"window {g.window}"
+            held = (st["owned"] + st["scratch"]) * lay.slot_bytes(g) // g.num_layers
+            peak[kind] = max(peak.get(kind, 0), held)
 
     def _admit(self) -> None:
         mgr = self.mgr
@@ -338,8 +366,14 @@ class Engine:
             r.scheduled += 1
         for e in ends:
             entries[e].expected += 1
+        if self.profile:
+            self._record_kv()
         batch = PagedBatch(step, self.storage)
+        timed = self.profile and dev.type == "cuda"
         try:
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             input_ids = torch.from_numpy(ids).to(dev)
             if late:
                 at, src = (torch.tensor(x, device=dev) for x in zip(*late))
@@ -347,6 +381,10 @@ class Engine:
             position_ids = torch.from_numpy(step.token_positions()).to(dev)[None]
             logits = self._forward(batch, input_ids[None], position_ids)
             sampled = logits[0, torch.from_numpy(cu[1:][ends] - 1).to(dev)].argmax(-1) if ends else None
+            if timed:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((start, end))
         finally:
             batch.finish()
         host, ready = None, None
