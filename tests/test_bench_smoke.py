@@ -337,3 +337,22 @@ def test_devices_bench_smoke(tmp_path):
     assert [r["devices"] for r in report["rows"]] == [[0], [0, 0], [0, 1]]
     assert all(r["prepare_us"]["median"] > 0 for r in report["rows"])
     assert "| [0, 1] |" in (tmp_path / "devices.md").read_text()
+
+
+def test_serve_smoke_runs_and_agrees():
+    """`python -m cupykv.bench serve --smoke` (cupykv and padded generate: generate_batch's setup is slow on a
+    CPU) runs, writes its table, and both contenders give the same greedy tokens (float32)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    import pytest
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    with tempfile.TemporaryDirectory() as out:
+        run = subprocess.run([sys.executable, "-m", "cupykv.bench", "serve", "--smoke", "--contenders",
+                              "cupykv,generate", "--out", out], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "generate agrees with cupykv on 100%" in run.stdout
+        rows = json.load(open(f"{out}/serve.json"))["rows"]
+        assert [r["contender"] for r in rows] == ["cupykv Engine", "transformers generate (padded batch)"]
+        assert rows[0]["hit_tokens"] > 0 and rows[0]["peak_kv_bytes_per_layer"]
