@@ -44,8 +44,9 @@ for part in $parts; do
       for i in 1 2 3; do run "replay_$i" timeout 120 python3 scripts/replay_kv.py --backend cuda --history; done
       [ -d old_tree/cupykv ] && (cd old_tree && timeout 120 python3 scripts/replay_kv.py --backend cuda --history \
           >"$OUT/replay_old_tree.log" 2>&1; echo "== replay in old_tree rc=$?"; grep -E "^replay|^note" "$OUT/replay_old_tree.log")
-      CUPYKV_KV_SEEDS=${KV_SEEDS:-200} run kv_content timeout ${KV_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
-          tests/test_kv_content.py tests/test_cache_host_tier.py -k cuda ;;
+      run kv_content_seeds timeout ${KV_TIMEOUT:-300} python3 scripts/kv_content.py --backend cuda --seeds ${KV_SEEDS:-200}
+      run kv_content timeout 200 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kv_content.py \
+          tests/test_cache_host_tier.py -k cuda ;;
     hf)   # transformers models served on cupykv, on the GPU (tests/test_hf.py) and the example
       run hf timeout ${HF_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider tests/test_hf.py -k "cuda or bf16"
       [ -f examples/hf_generate.py ] && run hf_example timeout 120 python3 examples/hf_generate.py ;;

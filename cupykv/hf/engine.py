@@ -62,6 +62,8 @@ class _Request:
 
 @dataclass
 class EngineStats:
+    """What an Engine did: forwards (steps) and their tokens, tokens generated, prompt tokens and those a
+    prefix hit served, preemptions by kind; with profile, peak KV and GPU idle time."""
     steps: int = 0
     forward_tokens: int = 0
     generated_tokens: int = 0

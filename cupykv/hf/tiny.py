@@ -17,8 +17,7 @@ def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int
         cls = tf.Gemma3ForCausalLM
     elif arch == "gpt_oss":       # alternating, learned sinks, mixture of experts
         cfg = tf.GptOssConfig(num_hidden_layers=layers or 4, sliding_window=window, num_local_experts=4,
-                              num_experts_per_tok=2, **common)
-        cfg.max_position_embeddings = 131072      # what its YaRN RoPE parameters assume (no warning)
+                              num_experts_per_tok=2, **{**common, "max_position_embeddings": 131072})  # (its YaRN's)
         cls = tf.GptOssForCausalLM
     elif arch == "mistral":       # a window on every layer
         cfg = tf.MistralConfig(num_hidden_layers=layers or 3, sliding_window=window, **common)
