@@ -256,7 +256,9 @@ class KVStorage:
         StorageDtypeError naming both dtypes.
 
         Enqueued on `stream`: a CuPy stream or a torch.cuda.Stream (default: the manager stream, where it
-        is ordered after step.ready; another stream is made to wait on step.ready first). k and v must be
+        is ordered after step.ready; another stream is made to wait on step.ready first). On the host
+        backend the write has run when this returns (unless a test's gate holds the stream), so a host
+        consumer (numpy, or torch CPU tensors over pages_to_torch) reads it with no event. k and v must be
         ready on that stream (a torch tensor's DLPack export also orders it after torch's current stream);
         they are kept alive until the write has run. A consumer that writes on its own stream reads the
         pages on that stream after the write with no further event. A numpy k or v on the CUDA backend is
@@ -288,6 +290,10 @@ class KVStorage:
         if self.xp is np:
             self._write_host(st, pages, offsets, self._host_array("k", k), self._host_array("v", v), sources,
                              dst, n)
+            # The consumer is on the host: it reads the pages next (a torch CPU tensor over them, say), as a
+            # GPU consumer reads on the stream it wrote on. So the simulated device runs what it can now, this
+            # write included, unless a gate holds the stream (a race test's interleaving stays its own).
+            be.device.drain()
             return
         import cupy
         with be.device_context(), st:      # DLPack orders st after the producer's stream; the conversions run on st

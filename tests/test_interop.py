@@ -418,3 +418,25 @@ def test_csr_views_to_torch_on_gpu():
         assert last.cpu().numpy().tolist() == want_last.tolist()
     interop.finish_on_torch(step, ts)
     mgr.synchronize()
+
+
+def test_a_host_torch_consumer_reads_what_write_wrote_without_an_event():
+    """Host backend: KVStorage.write has run when it returns, so torch CPU tensors over the pages see it
+    at once (one consumer code for both backends: a GPU consumer reads on the stream it wrote on)."""
+    torch = pytest.importorskip("torch")
+    from cupykv import interop
+    spec = cupykv.CacheSpec(windows=[None, 8], num_kv_heads=2, head_dim=4, tokens_per_block=4, max_seq_len=64,
+                            max_batch=2, slots_per_group=8, dtype="float32")
+    mgr = cupykv.KVCacheManager(spec, backend="host")
+    storage = cupykv.KVStorage(mgr)
+    mgr.add("a", 6)
+    step = mgr.prepare_batch({"a": 6})
+    pages_k, offsets = interop.write_positions_to_torch(step)
+    for layer in range(2):
+        k = torch.randn(6, 2, 4)
+        v = torch.randn(6, 2, 4)
+        storage.write(step, layer, k, v)
+        pages = interop.pages_to_torch(storage, storage.group_of(layer))      # no event passed
+        assert torch.equal(pages[pages_k[layer].long(), offsets.long()], k)
+        assert torch.equal(pages[pages_k[layer].long() + 1, offsets.long()], v)
+    step.finish()
