@@ -187,3 +187,16 @@ def test_bf16_tokens_agree_with_transformers_bf16_forward(backend, arch):
         for i, token in enumerate(out):
             row = logits[len(p) - 1 + i]
             assert row[token] >= row.max() - (0.02 * row.abs().max() + 0.02), (arch, i, token, int(row.argmax()))
+
+
+def test_end_tokens_stop_requests_as_generate_does(backend):
+    """eos_token_id ends a request with that token, as generate() does; under overlap the step already
+    enqueued for it is dropped, and the other requests are unchanged."""
+    model = tiny_model("gpt_oss").to(device_of(backend))
+    batch = prompts(30, 27, 41, 12)
+    full = [reference_tokens(model, p, 12) for p in batch]
+    eos = full[0][3]
+    engine = hf.Engine(model, max_batch=4, tokens_per_block=4, max_seq_len=96, eos_token_id=eos, backend=backend)
+    out = engine.generate(batch, 12)
+    assert out == [reference_tokens(model, p, 12, eos_token_id=eos) for p in batch]
+    assert len(out[0]) <= 4 and out[0][-1] == eos

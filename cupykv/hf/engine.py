@@ -90,12 +90,15 @@ class Engine:
     pinned host pool for preempted requests and evicted cached blocks (0: none; preempted requests are
     computed again). backend: "auto" (cuda when the model is on a GPU, else host), "cuda" or "host".
     max_seq_len: the longest prompt + output (None: the config's max_position_embeddings). profile: record
-    the peak KV bytes per layer kind and, on CUDA, the GPU's idle time between forwards (EngineStats)."""
+    the peak KV bytes per layer kind and, on CUDA, the GPU's idle time between forwards (EngineStats).
+    eos_token_id: a token id (or several) that ends a request, kept as its last token, as generate()
+    does; None: every request runs to max_new_tokens. A request in the step already enqueued when its
+    end token reaches the host is freed then, and that step's token for it is dropped."""
 
     def __init__(self, model, *, max_batch: int, tokens_per_block: int = 16, memory_bytes: Optional[int] = None,
                  max_step_tokens: Optional[int] = None, prefix_caching: bool = True, host_tier_bytes: int = 0,
                  swa_scratch_reuse: bool = True, backend: str = "auto", use_graphs: bool = False,
-                 max_seq_len: Optional[int] = None, profile: bool = False):
+                 max_seq_len: Optional[int] = None, profile: bool = False, eos_token_id=None):
         import torch
         self.torch, self.model = torch, model
         config = getattr(model, "config", None)
@@ -135,6 +138,8 @@ class Engine:
         self._ids = itertools.count()
         self._in_flight: Optional[_InFlight] = None
         self.profile = bool(profile)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos = {int(t) for t in eos}
         self._events: List[tuple] = []          # (start, end) CUDA events of each forward, with profile
         self._order = itertools.count()
         self.stats = EngineStats()
@@ -413,13 +418,16 @@ class Engine:
             late = f.late_ids[f.late].tolist()
             for j, token in zip(f.late, late):
                 f.fed[f.generation[j - (len(f.late_ids) - len(f.generation))].rid] = token
-        new = {r.rid: [f.fed[r.rid]] for r in f.generation} if self.spec.prefix_caching else None
+        new = ({r.rid: [f.fed[r.rid]] for r in f.generation if r.state != "done"} if self.spec.prefix_caching
+               else None)
         self.mgr.settle(f.step, new_tokens=new)
         out = {}
         for r, token in zip(f.sampled_by, tokens):
+            if r.state == "done":               # it ended (an end token) after this step was enqueued
+                continue
             r.tokens.append(int(token))
             out[r.rid] = int(token)
-            if len(r.generated) >= r.max_new:
+            if len(r.generated) >= r.max_new or int(token) in self.eos:
                 r.state = "done"
                 self.mgr.free(r.rid)
         self.stats.generated_tokens += len(tokens)

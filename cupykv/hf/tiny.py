@@ -50,10 +50,11 @@ def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int
 ARCHS = ["gemma3", "gpt_oss", "mistral", "qwen2", "gemma2", "llama"]
 
 
-def reference_tokens(model, prompt, max_new_tokens):
-    """Greedy tokens of model.generate with its own (eager) attention and cache."""
+def reference_tokens(model, prompt, max_new_tokens, eos_token_id=None):
+    """Greedy tokens of model.generate with its own (eager) attention and cache (up to and with the first
+    eos_token_id, when given)."""
     ids = torch.tensor([prompt], device=model.device)
     # an explicit mask: generate would take token 0 for padding where pad_token_id is 0
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None)
+                         eos_token_id=eos_token_id)
     return out[0, len(prompt):].tolist()
