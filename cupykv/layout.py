@@ -114,6 +114,13 @@ class Layout:
             spg = s.slots_per_group
             if isinstance(spg, (int, np.integer)):
                 return (spg,) * self.num_groups
+            if isinstance(spg, frozenset):      # by window or (window, sink_tokens): CacheSpec checked the keys
+                by = dict(spg)
+                missing = [g.window for g in self.groups if (g.window, g.sink_tokens) not in by and g.window not in by]
+                if missing:
+                    raise InvalidSpecError(f"CacheSpec.slots_per_group={by!r}: no entry for the groups of windows "
+                                           f"{missing}")
+                return tuple(by.get((g.window, g.sink_tokens), by.get(g.window)) for g in self.groups)
             spg = tuple(spg)
             if len(spg) != self.num_groups:
                 raise InvalidSpecError(

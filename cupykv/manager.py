@@ -252,8 +252,15 @@ class KVCacheManager:
             return 0
         seq = cache.new_seq(toks, salt, [n, *marks])
         hit, hits = cache.lookup(seq.hashes, n)
-        if not self._room_for_host_hits(hits):       # host blocks need device slots to come back to
-            hit, hits = cache.lookup(seq.hashes, n, with_host=False)
+        if cache.host is not None and any(h[2].any() for h in hits):
+            self.ledger.poll()          # finished steps' slots count as room for the host blocks
+            if not self._room_for_host_hits(hits):
+                # the longest hit whose host blocks fit: from the device alone, or a shorter one
+                best = cache.lookup(seq.hashes, n, with_host=False)
+                while hit > best[0] and not self._room_for_host_hits(hits):
+                    hit, hits = cache.lookup(seq.hashes, hit * self.layout.tpb)
+                if not self._room_for_host_hits(hits) or best[0] >= hit:
+                    hit, hits = best
         # -- nothing has changed so far --
         row = reqs.add(rid, n).row
         reqs.hist[row] = cached = hit * self.layout.tpb
@@ -302,6 +309,11 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.forget(rid)
         self.requests.remove(rid)
+
+    def can_add(self) -> bool:
+        """Whether add() has a free table row for one more request now (max_batch rows; freeing a request
+        frees its row at once)."""
+        return bool(self.requests.free_rows)
 
     def resident_blocks(self, rid: RequestId):
         """Per group (blocks, slots) of the request that hold a device slot (see Residence)."""
@@ -574,6 +586,7 @@ class KVCacheManager:
                     np.concatenate([pool.allocate(len(rows)) for pool in self.pools]))
 
     def settle(self, step: Step, accepted: Union[None, Mapping[RequestId, int], Sequence[int]] = None, *,
+               input_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None,
                new_tokens: Union[None, Mapping[RequestId, Sequence[int]], Sequence[int], np.ndarray] = None
                ) -> None:
         """The step's tokens are final: history advances by the accepted tokens.
@@ -583,12 +596,20 @@ class KVCacheManager:
         (at most max_rewind per request, and only from the request's latest step). SWA blocks that fell
         out of the window are released, scratch slots of the step's contexts too; released slots stay
         quarantined until the steps that may read them have finished. Requests freed since the step was
-        prepared are skipped. new_tokens: request id -> the token ids this step computed and kept for a
-        generation entry (its input tokens, as many as accepted), or all of them at once: every
-        generation entry's accepted tokens in batch order, int [sum of accepted over the generation
-        entries] (entries of freed requests included; their tokens are ignored). With prefix caching,
-        the blocks they fill are cached too (without them only prompt blocks are).
+        prepared are skipped.
+
+        input_tokens: the token ids each generation entry was fed in this step, its inputs, whose K/V the
+        step wrote (as many as accepted): never the tokens it sampled from them, which are the next step's
+        inputs. A mapping request id -> ids, or all at once: every generation entry's accepted input ids
+        in batch order, int [sum of accepted over the generation entries] (entries of freed requests
+        included; their ids are ignored). With prefix caching, the blocks they fill are cached too
+        (without them only prompt blocks are): reporting sampled tokens would publish KV under the wrong
+        tokens. new_tokens: the same argument under its former name.
         """
+        if new_tokens is not None:
+            if input_tokens is not None:
+                raise InvalidRequestError("settle: give input_tokens= (new_tokens= is its former name), not both")
+            input_tokens = new_tokens
         reqs, ledger = self.requests, self.ledger
         if isinstance(step, DeviceStep):
             raise StepOrderError(f"settle takes the Step (step {step.id} as prepare_batch returned it), not "
@@ -601,7 +622,7 @@ class KVCacheManager:
             raise StepOrderError(f"settle steps in the order they were prepared: step "
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
-        reported = generation_tokens(new_tokens, step.request_ids, acc, step.num_contexts, step.id)
+        reported = generation_tokens(input_tokens, step.request_ids, acc, step.num_contexts, step.id)
         rows, tokens, entries = step.index_rows, step.num_tokens, None
         live = range(step.num_contexts)     # the live contexts
         if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live

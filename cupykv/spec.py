@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from .args import as_count, as_flag, is_count, is_ordered
 from .errors import InvalidSpecError
@@ -50,8 +50,10 @@ class CacheSpec:
     tokens_per_block: tokens in one block (a power of two).
     max_seq_len: the longest sequence (prompt plus generated tokens) a request may reach.
     max_batch: table rows, i.e. the most requests the manager holds at once.
-    slots_per_group: slots per layer group (an int for every group, or a sequence in group order);
-        when None, memory_bytes is split between the groups (see Layout.slots_per_group).
+    slots_per_group: slots per layer group: an int for every group, a mapping from a window (None for
+        full attention) or a (window, sink_tokens) pair to slots, or a sequence in group order (groups
+        are ordered by their first layer); when None, memory_bytes is split between the groups (see
+        Layout.slots_per_group).
     swa_scratch_reuse: let context chunks of SWA groups share scratch slots for the blocks that will be
         out of the window once the chunk settles (PER_LAYER tables only).
     max_rewind: the most speculative tokens a single settle may reject.
@@ -73,14 +75,14 @@ class CacheSpec:
     """
 
     windows: Sequence[Optional[int]]
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int = None            # (required: None raises InvalidSpecError naming it)
+    head_dim: int = None
     dtype: str = "bfloat16"
     tokens_per_block: int = 32
     max_seq_len: int = 4096
     max_batch: int = 64
     sink_tokens: Union[int, Sequence[int]] = 0
-    slots_per_group: Union[None, int, Sequence[int]] = None
+    slots_per_group: Union[None, int, Sequence[int], Mapping] = None
     memory_bytes: Optional[int] = None
     swa_scratch_reuse: bool = True
     max_rewind: int = 0
@@ -104,6 +106,9 @@ class CacheSpec:
         windows = tuple(None if w is None else int(w) for w in windows)
         put("windows", windows)
         put("windows_tuple", windows)
+        for name in ("num_kv_heads", "head_dim"):
+            if getattr(self, name) is None:
+                _fail(name, None, "is required (the KV heads of a layer, and the size of one head)")
         put("num_kv_heads", _count("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _count("head_dim", self.head_dim, 1))
         _choice("dtype", self.dtype, DTYPE_BYTES)
@@ -144,6 +149,17 @@ class CacheSpec:
         spg = self.slots_per_group
         if is_count(spg):
             put("slots_per_group", _count("slots_per_group", spg, 1))
+        elif isinstance(spg, Mapping):
+            windows_of = set(windows)
+            sinks_of = self.sink_tokens if isinstance(self.sink_tokens, tuple) else (self.sink_tokens,) * len(windows)
+            pairs = set(zip(windows, sinks_of))
+            clean = {}
+            for key, value in spg.items():
+                if not (key in windows_of or (isinstance(key, tuple) and key in pairs)):
+                    _fail("slots_per_group", spg, f"key {key!r} is no layer's window (windows {sorted(windows_of, key=str)}) "
+                          "or (window, sink_tokens) pair")
+                clean[key] = _count(f"slots_per_group[{key!r}]", value, 1)
+            put("slots_per_group", frozenset(clean.items()))     # (hashable, as the frozen spec is)
         elif spg is not None:
             put("slots_per_group", _counts("slots_per_group", spg, 1, "group"))
 

@@ -420,7 +420,7 @@ class Engine:
                 f.fed[f.generation[j - (len(f.late_ids) - len(f.generation))].rid] = token
         new = ({r.rid: [f.fed[r.rid]] for r in f.generation if r.state != "done"} if self.spec.prefix_caching
                else None)
-        self.mgr.settle(f.step, new_tokens=new)
+        self.mgr.settle(f.step, input_tokens=new)
         out = {}
         for r, token in zip(f.sampled_by, tokens):
             if r.state == "done":               # it ended (an end token) after this step was enqueued
