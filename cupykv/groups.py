@@ -39,6 +39,7 @@ class LayerGroup:
 
     @property
     def num_layers(self) -> int:
+        """Layers in the group."""
         return len(self.layers)
 
     @cached_property
@@ -48,6 +49,7 @@ class LayerGroup:
 
     @property
     def is_swa(self) -> bool:
+        """Whether the group slides (has a window)."""
         return self.window is not None
 
     @cached_property

@@ -77,6 +77,7 @@ class Layout:
 
     @property
     def num_groups(self) -> int:
+        """Layer groups (layers of one window and sink count)."""
         return len(self.groups)
 
     # -- page math -----------------------------------------------------------------------------
@@ -91,20 +92,25 @@ class Layout:
     # The block rules live on the groups (the manager and the prefix cache call them there); these forward
     # to them for code that holds a Layout and a group (the benchmark's workload, the tests).
     def sink_blocks(self, group: LayerGroup) -> int:
+        """Blocks a sliding-window group always keeps (its sink tokens, rounded up to blocks)."""
         return group.sink_blocks
 
     def stale_range(self, group: LayerGroup, history: int) -> Tuple[int, int]:
+        """[lo, hi): the blocks no query after `history` settled tokens can see (empty without a window)."""
         return group.stale_range(as_count(history, "stale_range: history"))
 
     def scratch_range(self, group: LayerGroup, start: int, capacity: int) -> Tuple[int, int]:
+        """[lo, hi): the blocks of a chunk from `start` to `capacity` tokens that get scratch slots."""
         return group.scratch_range(as_count(start, "scratch_range: start"),
                                    as_count(capacity, "scratch_range: capacity"))
 
     def scratch_slots_needed(self, group: LayerGroup, num_scratch_blocks: int) -> int:
+        """Scratch slots that many scratch blocks borrow: ceil(2 * blocks / scale)."""
         return group.scratch_slots_needed(as_count(num_scratch_blocks, "scratch_slots_needed: num_scratch_blocks"))
 
     # -- sizing --------------------------------------------------------------------------------
     def slot_bytes(self, group: LayerGroup) -> int:
+        """Bytes of one slot of the group: K and V of a block for every layer of it."""
         s = self.spec
         return group.scale * self.tpb * s.num_kv_heads * s.head_dim * s.dtype_bytes
 

@@ -38,7 +38,7 @@ from .table import PageTable
 STAGING_MODES = ("snapshot", "unsafe")
 # A settle clears a row's window release by slices (PageTable.take_blocks: a Python call for each such row,
 # logged as a range) from this many blocks on; shorter ones go as the cells of all rows in one vectorised
-# pass (slicing releases of 16-63 blocks row by row doubled a SHARED chunk's settle: docs/host_profile.md).
+# pass (slicing releases of 16-63 blocks row by row doubled a SHARED chunk's settle: docs/host_profile.md in git history).
 SLICE_MIN_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
@@ -127,7 +127,7 @@ class KVCacheManager:
         kernel launch on CUDA) as a CUDA graph replay per ring slot, mode and bucket instead; a small step
         (a small batch's decode step: its snapshot fits cupykv_step_inline_small) is still launched with
         its snapshot in the launch's parameters: the device takes a few microseconds less than for its
-        replay, the host about as long (README, "CUDA graphs").
+        replay, the host about as long (docs/design.md, "CUDA graphs").
     steady_batch_delta: rewrite whole only the output entries whose request is not the one they hold, and
         the context chunks, and only the changed cells of the others, while that is at most half of the
         step's entries (cupykv/entries.py), instead of every entry of the batch.
@@ -202,13 +202,16 @@ class KVCacheManager:
 
     # -- the buffers consumers and tests read (fixed addresses for the life of the manager) ------------
     table = property(lambda self: self.page_table.array, doc="The host page table, int32 [P, rows, B].")
-    outputs = property(lambda self: self.pipeline.outputs)
+    outputs = property(lambda self: self.pipeline.outputs, doc="Device 0's output buffers (tables, write positions).")
     out = property(lambda self: self.pipeline.outputs.tables, doc="= step.tables of every step.")
-    write_pages = property(lambda self: self.pipeline.outputs.write_pages)
-    write_offsets = property(lambda self: self.pipeline.outputs.write_offsets)
+    write_pages = property(lambda self: self.pipeline.outputs.write_pages,
+                           doc="= step.write_pages: int32 [L, max_step_tokens], each new token's K page per layer.")
+    write_offsets = property(lambda self: self.pipeline.outputs.write_offsets,
+                             doc="= step.write_offsets: int32 [max_step_tokens], each new token's place in its page.")
     mirror = property(lambda self: self.pipeline.mirror, doc="The device mirror of the host table.")
     ring = property(lambda self: self.pipeline.ring, doc="The pinned snapshot ring.")
-    h2d_bytes_last_step = property(lambda self: self.pipeline.h2d_bytes_last_step)
+    h2d_bytes_last_step = property(lambda self: self.pipeline.h2d_bytes_last_step,
+                                   doc="Bytes the last step copied host to device (its snapshot), per device.")
     use_graphs = property(lambda self: self.pipeline.use_graphs,
                           lambda self, on: setattr(self.pipeline, "use_graphs", as_flag(on, "use_graphs")),
                           doc="Replay each step's device work as a CUDA graph (may be switched between steps).")
@@ -217,7 +220,7 @@ class KVCacheManager:
         """With use_graphs on the CUDA backend: capture now every step graph the snapshot ring can need, so
         that no prepare_batch captures one later (a ring slot added or grown later still captures on first
         use: ring_slots sets how many exist now). Call while nothing holds the device, before serving: a
-        capture can make the host wait for the device's busy streams (README, "CUDA graphs"). Returns how
+        capture can make the host wait for the device's busy streams (docs/design.md, "CUDA graphs"). Returns how
         many graphs were captured."""
         return self.pipeline.capture_graphs()
 

@@ -50,6 +50,7 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
+        """Tokens of its prompt (add's prompt_len)."""
         return int(self._table.prompt[self._live_row()])
 
     @property

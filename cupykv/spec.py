@@ -165,6 +165,7 @@ class CacheSpec:
 
     @property
     def num_layers(self) -> int:
+        """Layers of the model (one window each)."""
         return len(self.windows_tuple)
 
     def sinks_per_layer(self) -> tuple:
@@ -175,10 +176,12 @@ class CacheSpec:
 
     @property
     def step_token_capacity(self) -> int:
+        """The most new tokens one step may schedule: max_step_tokens, or its default."""
         if self.max_step_tokens is not None:
             return self.max_step_tokens
         return 8192 + self.max_batch * (1 + self.max_rewind)
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes of one KV element of the spec's dtype."""
         return DTYPE_BYTES[self.dtype]

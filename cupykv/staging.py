@@ -135,7 +135,7 @@ _ONE_BAD = np.full(1, BAD, np.int32)
 _ONE_BAD.flags.writeable = False
 
 # A step with at most this many changed cells ships each cell as a run of its own (run_coff 0, 1, 2, ...):
-# finding the runs takes more numpy calls than the words they would save (docs/host_profile.md). A
+# finding the runs takes more numpy calls than the words they would save (docs/host_profile.md in git history). A
 # context chunk's new slots come as written ranges, a freed row as a cleared range; what such a step still
 # logs cell by cell is mostly a block opened or released per row, seldom adjacent. When some are (a window
 # release of 16-63 blocks a row: a chunk's, in a group without scratch reuse), each-cell runs ship up to

@@ -198,8 +198,8 @@ class Step:
         return [DeviceStep(self, part) for part in self.parts]
 
     # Device 0's part (the only one of a one-device manager).
-    backend = property(lambda self: self.parts[0].backend)
-    outputs = property(lambda self: self.parts[0].outputs)
+    backend = property(lambda self: self.parts[0].backend, doc="Device 0's backend.")
+    outputs = property(lambda self: self.parts[0].outputs, doc="Device 0's output buffers.")
     ready = property(lambda self: self.parts[0].ready, doc="Device 0's ready event.")
     tables = property(lambda self: self.parts[0].outputs.tables, doc=DeviceStep.tables.__doc__)
     write_pages = property(lambda self: self.parts[0].outputs.write_pages, doc=DeviceStep.write_pages.__doc__)

@@ -6,7 +6,7 @@
     PYTHONPATH=. python scripts/ab_in_process.py OTHER_TREE [batch ...] --prefix [--backend host]
 
 The host's speed differs from process to process by up to 1.6x (the same tree in two processes of one
-device call: docs/host_profile.md), more than most changes to a step move it, so comparing trees in
+device call: docs/host_profile.md in git history), more than most changes to a step move it, so comparing trees in
 separate processes needs many of them. Here this tree's cupykv and OTHER_TREE's (a directory holding a
 cupykv/ package, e.g. an untracked copy of an older commit) are loaded under two package names in one
 process; each gets a manager prefilled as profile_manager.prefilled_manager does, and their decode steps

@@ -96,7 +96,7 @@ def no_gc():
     """No garbage collection while a gate holds a stream. On the GPU, freeing pinned memory (cudaFreeHost,
     e.g. of an earlier test's manager collected now) waits for the device, so the host would stall until
     the gate times out, and the gate would then let the held finish events complete on that rank only
-    (README, "GPU facts")."""
+    (docs/design.md, "GPU facts the design relies on")."""
     gc.collect()
     gc.disable()
     try:

@@ -106,7 +106,7 @@ def gated_rewrite(mgr, gated_rank: int):
     mgr.synchronize()
     caps = [Capture(mgr, rank=r).reserve(16) for r in range(len(mgr.devices))]
     # With graphs, every graph first: instantiating one behind the gate can wait for the gated device
-    # (README, "CUDA graphs"), and the gate would time out; what this tests is the tables, not capture.
+    # (docs/design.md, "CUDA graphs"), and the gate would time out; what this tests is the tables, not capture.
     # No slot's copy completes behind the gate, so each step there takes a slot of its own: a slot added
     # there would capture its graphs on first use.
     mgr.capture_graphs()

@@ -36,3 +36,13 @@ def test_readme_transformers_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)
     assert len(namespace["answer"]) == len(namespace["follow_up"]) == 8
     assert namespace["engine"].stats.hit_tokens >= 48
+
+
+def test_api_reference_is_current():
+    """docs/api.md is what scripts/api_doc.py writes from the docstrings."""
+    import subprocess
+    import pytest
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed: cupykv.hf's part")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "api_doc.py"), "--check"], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

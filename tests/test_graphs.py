@@ -3,7 +3,7 @@ steps of a changing workload; the manager's own step runs as graph replays (use_
 graphs captured up front, no prepare_batch waits for the device while a gate holds the manager stream;
 and the first capture in a fresh process loads no kernel behind the gate (run as a script, this file
 runs that check in a fresh process: see the end of the file). A capture can still wait for the device
-in its graph's instantiation (README, "CUDA graphs"), so no test here asserts that a capture in a busy
+in its graph's instantiation (docs/design.md, "CUDA graphs"), so no test here asserts that a capture in a busy
 process, with many graphs alive, does not.
 
 The capture tests need a GPU; the manager's graph path is also exercised on the host backend by the

@@ -325,7 +325,7 @@ class PackedLaunch:
     """A kernel with its arguments packed once into the array of argument pointers cuLaunchKernel takes.
 
     CuPy's RawKernel call converts and checks every argument on every launch; cupykv_step and
-    cupykv_step_inline, launched every step, skip that (docs/host_profile.md has what it cost). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
+    cupykv_step_inline, launched every step, skip that (docs/host_profile.md in git history has what it cost). args: cupy arrays (passed as their device pointers), np.int32 and np.int64 scalars,
     ParamBytes, in the kernel's parameter order. A cell (`cells[i].value`) may change between launches: the
     driver copies the arguments, ParamBytes' bytes included, when a launch is enqueued, or captured into a
     graph.
@@ -431,7 +431,7 @@ class CudaStepPlan(StepPlan):
         With graphs (graph: the step's buckets), only the smallest inline kernel takes a step from its
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
         snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
-        replay (docs/host_profile.md, "Small steps launch inline under graphs too")."""
+        replay (docs/host_profile.md in git history, "Small steps launch inline under graphs too")."""
         kernels = (self._inlines if graph is None else
                    self._inlines[:1] if self.small_steps_inline_under_graphs else ())
         for inline in kernels:
@@ -502,7 +502,7 @@ class CudaStepPlan(StepPlan):
         The kernels are fully loaded first (load_kernels): under lazy loading, instantiating a graph whose
         kernels were never launched loads them, and loading may synchronize the context, which blocks
         the host until every busy stream drains. The instantiation itself (in end_capture) can still make
-        the host wait for busy streams, now and then (measured on the H200: README, "CUDA graphs"), which is
+        the host wait for busy streams, now and then (measured on the H200: docs/design.md, "CUDA graphs"), which is
         why capture_graphs() before serving is the way to keep prepare_batch off the device. The capture
         stream exists from construction and is idle, so the upload (which sets up the graph's device
         resources) does not queue behind the manager stream, and the first replay there only runs the graph.
@@ -722,7 +722,7 @@ class CudaBackend:
         engine running a large device-to-host copy starts no other stream's copy in that direction until it
         is done (it would hold up an engine's per-step copies for the whole move), and a memcpy per run
         blocks the host once the stream's queue is full (80 ms for the 4100 runs of a fragmented 128k
-        request; docs/host_profile.md). The runs go to the kernel in a pinned buffer kept until an event
+        request; docs/host_profile.md in git history). The runs go to the kernel in a pinned buffer kept until an event
         after the launch has completed. Device to device or host to host, one memcpyAsync per run."""
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             raise ValueError("copy_runs: needs contiguous arrays")

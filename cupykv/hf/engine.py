@@ -232,6 +232,7 @@ class Engine:
                                       f"(window {g.window}); the pool has {slots}: it can never fit")
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or suspended (step() has work)."""
         return any(r.state != "done" for r in self.requests.values())
 
     def result(self, rid) -> List[int]:

@@ -8,6 +8,10 @@ WINDOW = 8
 
 
 def tiny_model(arch: str, *, window: int = WINDOW, layers: int = None, seed: int = 0, dtype=torch.float32):
+    """A tiny random-initialised causal LM: arch one of ARCHS ("gemma3" 5 sliding : 1 full, "gpt_oss"
+    alternating with learned sinks, "mistral" a window on every layer, "qwen2" sliding from
+    max_window_layers on, "gemma2" alternating with soft-capping, "llama" full attention); vocabulary 128,
+    64 hidden, 4 query and 2 KV heads of 16, eval mode, on the CPU."""
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, max_position_embeddings=512, attn_implementation="eager",

@@ -42,7 +42,7 @@ INLINE_STEP_KERNELS = (("cupykv_step_inline_small", SMALL_INLINE_SNAPSHOT_WORDS)
                        ("cupykv_step_inline", INLINE_SNAPSHOT_WORDS))
 
 # cupykv_copy_runs' launch, per direction: the fewest blocks that move about as much as the bus carries, which
-# leaves the other SMs to the model (docs/host_profile.md, "The host tier's copies by kernel, both ways"):
+# leaves the other SMs to the model (docs/performance.md, "Host tier"):
 # writes to pinned memory need few in flight; reads from it wait a bus round trip each, so more blocks.
 # Each block stages TIER_COPY_RUNS_PER_STAGE runs at a time in shared memory (24 bytes each).
 TIER_COPY_BLOCKS_TO_HOST = 4

@@ -202,7 +202,7 @@ __device__ __forceinline__ int layer_split(Index stride, Index items, int num_la
 // blocks): one 16-byte mirror load, then two 16-byte stores (K, V) into planes of the group (its layers,
 // PER_LAYER; the group's own plane, SHARED). What an item needs (its row, scratch range, scale) is looked up
 // once for all the planes it writes: looked up per plane, the same lookups held large builds well below the
-// write bandwidth (docs/host_profile.md).
+// write bandwidth (docs/host_profile.md in git history).
 // When the grid has more threads than there are items (small batches: step_grid then sizes it up to a thread
 // per plane quad), each group's layers are split over `split` threads per item, so a batch of one still
 // spreads over many blocks. Consecutive threads take consecutive quads of the same layers, so a warp's

@@ -7,7 +7,7 @@
 // copy an engine makes meanwhile (the sampled tokens of each step) for the whole suspend; and a memcpy
 // per run blocks the host once the stream's queue is full (a fragmented request: thousands of runs).
 // This kernel is one launch for all runs and leaves the copy engines to the engine's own copies
-// (docs/host_profile.md, "The host tier's copies by kernel, both ways").
+// (docs/performance.md, "Host tier").
 //
 // runs: [num_runs, 3] (destination byte offset, source byte offset, bytes), in pinned host memory.
 // Every block walks the runs in order, TIER_COPY_RUNS_PER_STAGE at a time through shared memory (one
