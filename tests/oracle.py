@@ -146,7 +146,7 @@ def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None
     table: [P, rows, B] base slots at the step's prepare; copy_idx: the table row of each batch entry;
     begs/ends [P, >= num_contexts] and scratch [P, >= num_contexts, M]: the contexts' scratch metadata.
     shared: SHARED tables (default: the spec's table_mode). null_slots: [P] null slot per group
-    (the README's "Reading the tables", null slot: BAD cells and padding rows hold its page), or None (BAD
+    (docs/design.md, "Consumers in detail", null slot: BAD cells and padding rows hold its page), or None (BAD
     stays BAD).
     pad_to: rows [num_seqs, pad_to) are padding rows.
     """
@@ -166,7 +166,7 @@ def reference_tables(spec, table, copy_idx, num_contexts=0, begs=None, ends=None
 
 
 def null_slots(mgr) -> Optional[Tuple[int, ...]]:
-    """Each group's null slot (the README's "Reading the tables"; CacheSpec(null_slot=True)), None without: the group's
+    """Each group's null slot (docs/design.md, "Consumers in detail"; CacheSpec(null_slot=True)), None without: the group's
     last slot. The slot counts are the spec's slots_per_group; only a spec sized by memory_bytes takes
     them from the manager's layout (that split is sizing, not the contract)."""
     spec = mgr.spec

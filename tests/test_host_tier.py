@@ -11,7 +11,7 @@ take the freed slots and write them; the resumed request is scheduled and its co
 it: the copies must still have moved the right KV. Each has an unsafe twin that breaks one ordering rule
 on purpose (no fence on the D2H copy; no wait for the H2D copy) and must observe wrong data, which proves
 that the test catches the race. Everything a gated section needs (buffers, device K/V, kernels) is made
-before its gate closes (README, GPU facts).
+before its gate closes (docs/design.md, "GPU facts the design relies on").
 """
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_page_table_rewritten(backend_name, staging):
         cap.consume(s)
         mgr.settle(s)
         # b's SWA blocks fall out of the window. 24 tokens in 6 steps: every operation queued behind the
-        # gate occupies the launch queue, and a full queue blocks the host (README, Development).
+        # gate occupies the launch queue, and a full queue blocks the host (docs/design.md, "GPU facts the design relies on").
         for _ in range(6):
             s = mgr.prepare_batch((), ["new", "b"], num_gen_tokens=4)
             cap.consume(s)
