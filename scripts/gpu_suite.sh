@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [kv-content] [hf] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [conditions] [census] [idle] [probes] [tier-copies] [footprint]
+# [kv-content] [hf] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [census]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -113,27 +113,6 @@ for part in $parts; do
       for b in 1 256; do timeout 120 python3 scripts/profile_manager.py --batch $b --census >>"$OUT/census.log" 2>&1; done
       timeout 120 python3 scripts/host_floor.py 1 256 >>"$OUT/census.log" 2>&1
       cat "$OUT/census.log" ;;
-    idle)   # a decode step's host time after a sleeping wait, a spinning one and none (scripts/host_idle_probe.py)
-      run host_idle_probe timeout 240 python3 scripts/host_idle_probe.py 1 256; cat "$OUT/host_idle_probe.log" ;;
-    footprint)   # a settle's host time alone and right after the CUDA calls of a step (scripts/driver_footprint.py)
-      run driver_footprint timeout 180 python3 scripts/driver_footprint.py; cat "$OUT/driver_footprint.log"
-      for cond in plain import context cuda-manager pinned plain; do   # the process alone, then with CUDA in it
-        for b in 1 256; do timeout 120 python3 scripts/process_footprint.py $cond $b >>"$OUT/process_footprint.log" 2>&1; done
-      done
-      cat "$OUT/process_footprint.log" ;;
-    tier-copies)   # the host tier's copies: other streams' copies behind a large copy (copy engines, chunks,
-                   # streams, a copy kernel), and decode steps during a suspend / resume: the library's copies,
-                   # the kernel at each of TIER_GRIDS both ways, memcpys; a fragmented request's calls
-      run copy_engine_probe timeout 150 python3 scripts/copy_engine_probe.py
-      run host_tier_overlap timeout 300 python3 scripts/host_tier_overlap.py --steps 50 --grids ${TIER_GRIDS:-4x512,8x512,16x512,32x512}
-      cat "$OUT/copy_engine_probe.log" "$OUT/host_tier_overlap.log" ;;
-    probes)   # what a kernel pays to read a snapshot (pinned, device memory, parameters), and what a graph
-              # replay would pay to carry it in its parameters (cuGraphExecKernelNodeSetParams)
-      run snapshot_probe timeout 120 python3 scripts/snapshot_probe.py
-      run graph_params_probe timeout 120 python3 scripts/graph_params_probe.py
-      cat "$OUT/snapshot_probe.log" "$OUT/graph_params_probe.log" ;;
-    conditions)   # prepare_batch and the floor's host calls with and without the benchmark's gate, cold caches
-      run host_conditions timeout 240 python3 scripts/host_conditions.py 256 1; cat "$OUT/host_conditions.log" ;;
     ab)   # this tree's decode steps and each AB_TREES tree's in turn in one process (scripts/ab_in_process.py),
           # CUDA then the host backend; AB_BATCHES: the batch sizes (default 1 256)
       for tree in ${AB_TREES:-old_tree}; do

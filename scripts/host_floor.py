@@ -373,7 +373,7 @@ class Caches:
     first WARM are not counted (so that a condition does not inherit the caches the one before left): "warm"
     (nothing runs between the steps) and "cold" (a 64 MB pass over memory before the step's timed parts:
     the benchmark runs its contenders, torch among them, between cupykv's prepare_batch and settle and
-    before its next schedule; scripts/host_conditions.py times a step after the same pass)."""
+    before its next schedule; a step timed after the same pass is as slow)."""
 
     BLOCK, WARM = 10, 3
 

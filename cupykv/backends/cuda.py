@@ -391,7 +391,7 @@ class CudaStepPlan(StepPlan):
     its snapshot goes in the launch's parameters, and no phase reads it over the bus."""
 
     # With graphs, a step that fits the smallest inline kernel is launched, not replayed (_inline). False
-    # replays every step: for the graph tests, which are about replays, and scripts/graph_inline_ab.py's
+    # replays every step: for the graph tests, which are about replays, and A/B runs'
     # side of comparison.
     small_steps_inline_under_graphs = True
 
