@@ -281,6 +281,10 @@ def _head(result: dict, title: str, md: bool) -> List[str]:
 
 def _tail(result: dict, md: bool) -> List[str]:
     lines = _targets_lines(result.get("targets", []))
+    targets = result.get("targets", [])
+    if result["meta"].get("settings", {}).get("smoke") and not all(t["ok"] for t in targets):
+        lines.append("  (the targets are set for the full-size trace and shapes on a GPU host: a --smoke run's tiny "
+                     "pools and prompts miss some of them without anything being wrong)")
     if result.get("failures"):
         lines += ["FAILED:"] + ["  " + f for f in result["failures"]]
     lines.append(f"elapsed: {result['meta']['elapsed_s']} s")

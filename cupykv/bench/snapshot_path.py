@@ -143,7 +143,7 @@ class FullSnapshotPath:
         """A fresh pinned (cuda) or plain (cpu) host tensor holding a copy of arr."""
         torch = self._t
         snap = torch.empty(arr.shape, dtype=torch.int32, pin_memory=self.pin)
-        snap.copy_(torch.from_numpy(arr))
+        snap.copy_(torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy()))
         return snap
 
     def _snapshot_padded(self, arr: np.ndarray, shape):
