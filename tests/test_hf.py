@@ -200,3 +200,10 @@ def test_end_tokens_stop_requests_as_generate_does(backend):
     out = engine.generate(batch, 12)
     assert out == [reference_tokens(model, p, 12, eos_token_id=eos) for p in batch]
     assert len(out[0]) <= 4 and out[0][-1] == eos
+
+
+def test_without_prefix_caching(backend):
+    model = tiny_model("gemma2").to(device_of(backend))
+    engine = hf.Engine(model, max_batch=4, tokens_per_block=4, max_seq_len=96, prefix_caching=False, backend=backend)
+    check_exact(model, engine, prompts(30, 5, 27, 41, 33))
+    assert engine.stats.hit_tokens == 0 and engine.mgr.cache is None
