@@ -255,15 +255,12 @@ class KVCacheManager:
             return 0
         seq = cache.new_seq(toks, salt, [n, *marks])
         hit, hits = cache.lookup(seq.hashes, n)
-        if cache.host is not None and any(h[2].any() for h in hits):
+        if cache.host is not None and any(on_host.any() for _, _, on_host in hits):
             self.ledger.poll()          # finished steps' slots count as room for the host blocks
-            if not self._room_for_host_hits(hits):
-                # the longest hit whose host blocks fit: from the device alone, or a shorter one
-                best = cache.lookup(seq.hashes, n, with_host=False)
-                while hit > best[0] and not self._room_for_host_hits(hits):
-                    hit, hits = cache.lookup(seq.hashes, hit * self.layout.tpb)
-                if not self._room_for_host_hits(hits) or best[0] >= hit:
-                    hit, hits = best
+            # the longest hit whose host blocks fit (a shorter lookup prefers device copies; one with no
+            # host block always fits)
+            while hit and not self._room_for_host_hits(hits):
+                hit, hits = cache.lookup(seq.hashes, hit * self.layout.tpb)
         # -- nothing has changed so far --
         row = reqs.add(rid, n).row
         reqs.hist[row] = cached = hit * self.layout.tpb
