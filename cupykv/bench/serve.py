@@ -97,7 +97,8 @@ class CupykvEngine(Contender):
     def report(self) -> dict:
         s = self.engine.stats
         out = dict(peak_kv_bytes_per_layer=dict(s.peak_kv_bytes_per_layer), hit_tokens=s.hit_tokens,
-                   prompt_tokens=s.prompt_tokens, steps=s.steps)
+                   prompt_tokens=s.prompt_tokens, steps=s.steps,
+                   median_ttft_s=float(np.median(s.first_token_s)) if s.first_token_s else None)
         if s.forward_s:
             out.update(forward_s=s.forward_s, gpu_idle_s=s.idle_s, gpu_idle_share=s.idle_s / s.forward_s)
         return out
@@ -110,11 +111,18 @@ class GenerateBatch(Contender):
         from transformers import GenerationConfig
         self.model = model
         self.config = GenerationConfig(do_sample=False, eos_token_id=None)
+        self.ttft: List[float] = []
 
     def generate(self, prompts, new):
         self.config.max_new_tokens = new
-        out = self.model.generate_batch(prompts, generation_config=self.config, progress_bar=False)
-        return [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
+        out = self.model.generate_batch(prompts, generation_config=self.config, progress_bar=False,
+                                        record_timestamps=True)
+        outs = [out[f"req_{i}"] for i in range(len(prompts))]
+        self.ttft += [o.timestamps[0] - o.created_time for o in outs if getattr(o, "timestamps", None)]
+        return [list(o.generated_tokens) for o in outs]
+
+    def report(self) -> dict:
+        return dict(median_ttft_s=float(np.median(self.ttft))) if self.ttft else {}
 
 
 class PaddedGenerate(Contender):
@@ -228,6 +236,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {r['contender']} | {r['error']} | | | | |")
             continue
         c, lg = r["chat"], r["long"] or {}
+        if r.get("median_ttft_s") is not None:
+            extra.append(f"- {r['shape']}, {r['contender']}: median time to first token {r['median_ttft_s']:.3f} s "
+                         "(from the request's submission, a turn's requests submitted together)")
         if "peak_kv_bytes_per_layer" in r:
             extra.append(f"- {r['shape']}, {r['contender']}: peak KV bytes per layer "
                          f"{r['peak_kv_bytes_per_layer']}, prefix hits {r['hit_tokens']} of {r['prompt_tokens']} "

@@ -26,6 +26,7 @@ as its prompt (prefix caching usually finds most of them), so its output is what
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence
 
@@ -54,6 +55,7 @@ class _Request:
     state: str = "waiting"             # waiting | running | suspended | done
     order: int = 0                     # admission order (the newest is preempted first)
     hit_tokens: int = 0
+    added_at: float = 0.0              # time.perf_counter() at add_request
 
     @property
     def generated(self) -> List[int]:
@@ -79,6 +81,8 @@ class EngineStats:
     # end and the next one's start (what the host did meanwhile: cupykv's prepare, the batch, the launch)
     forward_s: float = 0.0
     idle_s: float = 0.0
+    # seconds from each request's add_request to its first token on the host, in the order they came
+    first_token_s: List[float] = field(default_factory=list)
 
 
 class Engine:
@@ -216,7 +220,8 @@ class Engine:
             raise CapacityExceededError(f"request {rid!r}: prompt of {len(tokens)} tokens + {max_new_tokens} new "
                                         f"exceeds max_seq_len={self.spec.max_seq_len}")
         self._check_fits(rid, need)
-        req = _Request(rid, tokens, len(tokens), int(max_new_tokens), cache_salt, expected=len(tokens))
+        req = _Request(rid, tokens, len(tokens), int(max_new_tokens), cache_salt, expected=len(tokens),
+                       added_at=time.perf_counter())
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -428,6 +433,8 @@ class Engine:
                 continue
             r.tokens.append(int(token))
             out[r.rid] = int(token)
+            if len(r.tokens) == r.prompt_len + 1:
+                self.stats.first_token_s.append(time.perf_counter() - r.added_at)
             if len(r.generated) >= r.max_new or int(token) in self.eos:
                 r.state = "done"
                 self.mgr.free(r.rid)
