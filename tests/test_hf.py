@@ -207,3 +207,26 @@ def test_without_prefix_caching(backend):
     engine = hf.Engine(model, max_batch=4, tokens_per_block=4, max_seq_len=96, prefix_caching=False, backend=backend)
     check_exact(model, engine, prompts(30, 5, 27, 41, 33))
     assert engine.stats.hit_tokens == 0 and engine.mgr.cache is None
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "gemma2"])
+def test_float32_logits_within_a_tolerance_of_transformers(backend, arch, monkeypatch):
+    """Each step's next-token logits equal transformers' own forward over the same tokens (float32, up to
+    the order of the sums): a request alone, so every forward's last row is its next token's logits."""
+    model = tiny_model(arch).to(device_of(backend))
+    engine = hf.Engine(model, max_batch=1, tokens_per_block=4, max_step_tokens=64, max_seq_len=96, backend=backend)
+    rows = []
+    forward = engine._forward
+
+    def kept(*args):
+        logits = forward(*args)
+        rows.append(logits[0, -1].float().cpu())
+        return logits
+    monkeypatch.setattr(engine, "_forward", kept)
+    prompt = prompts(37)[0]
+    out = engine.generate([prompt], NEW)[0]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt + out], device=model.device)).logits[0, len(prompt) - 1:-1].float().cpu()
+    got = torch.stack(rows)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
