@@ -302,7 +302,7 @@ class KVCacheManager:
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
         if self.cache is not None:      # every cached block it holds keeps its hash: its last window
             self.cache.end(req.row, self.page_table.array)
-        self._release_row(req.row, tag)
+        self.residence.release_row(req.row, tag)
         for slots in req.scratch.values():
             self._release_scratch(slots, tag)
         req.scratch.clear()
@@ -704,21 +704,6 @@ class KVCacheManager:
         holder are quarantined."""
         _, slots = self.page_table.take(cells)
         self.pools[p].release(slots, tag)
-
-    def _release_row(self, row: int, tag: int) -> None:
-        """_release of every cell of a row that holds a slot, in every group (a freed or suspended request)."""
-        span = self._row_span(row)
-        for p in range(self.layout.num_groups):
-            self.pools[p].release(self.page_table.take_blocks(p, row, 0, span), tag)
-
-    def _row_span(self, row: int) -> int:
-        """Blocks [0, span) of a row are the only ones that may hold a slot: those its capacity covers.
-
-        Invariant relied on (by the scans of a freed or suspended request's row, which then cost that
-        request's blocks, not max_blocks): a block gets a slot only from the tokens scheduled into it (a
-        step's new blocks, a prefix hit's blocks below its cached tokens, a resumed request's own blocks),
-        and a rewind releases the blocks past the capacity it leaves."""
-        return self.layout.groups[0].new_blocks(0, int(self.requests.cap[row]))[1]
 
     def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
         for p, slots in enumerate(per_group):

@@ -1,5 +1,6 @@
-"""Residence: which requests hold device slots, for the host tier (host_tier.HostTier moves the KV;
-this keeps the books). Check and act come in pairs: check_detach / detach, check_attach / attach.
+"""Residence: which requests hold device slots, and letting a row's slots go (a freed request's, through
+KVCacheManager.free; a suspended one's). For the host tier (host_tier.HostTier moves the KV; this keeps
+the books), check and act come in pairs: check_detach / detach, check_attach / attach.
 
 A detached (suspended) request keeps its row, history and capacity; its slots are released behind a
 ledger fence on the event after the copies that read them, its table rows are cleared, and it may not be
@@ -20,13 +21,28 @@ class Residence:
     def __init__(self, manager):
         self.layout, self.requests, self.table = manager.layout, manager.requests, manager.page_table
         self.pools, self.ledger = manager.pools, manager.ledger
-        self._release_row, self._row_span = manager._release_row, manager._row_span
+
+    def row_span(self, row: int) -> int:
+        """Blocks [0, span) of a row are the only ones that may hold a slot: those its capacity covers.
+
+        Invariant relied on (by the scans of a freed or suspended request's row, which then cost that
+        request's blocks, not max_blocks): a block gets a slot only from the tokens scheduled into it (a
+        step's new blocks, a prefix hit's blocks below its cached tokens, a resumed request's own blocks),
+        and a rewind releases the blocks past the capacity it leaves."""
+        return self.layout.groups[0].new_blocks(0, int(self.requests.cap[row]))[1]
+
+    def release_row(self, row: int, tag: int) -> None:
+        """Let go of every slot the row holds, in every group, and clear its cells (a freed or suspended
+        request); slots left with no holder are quarantined under `tag`."""
+        span = self.row_span(row)
+        for p in range(self.layout.num_groups):
+            self.pools[p].release(self.table.take_blocks(p, row, 0, span), tag)
 
     def resident_blocks(self, rid: RequestId) -> List[Tuple[np.ndarray, np.ndarray]]:
         """Per group (blocks int64 [n], slots int32 [n]): the request's blocks that hold a device slot (all
         blocks for full attention; the sinks and the window for a sliding window)."""
         row, table = self.requests.get(rid).row, self.table
-        span = self._row_span(row)
+        span = self.row_span(row)
         out = []
         for p in range(self.layout.num_groups):
             cells = table.row_cells(p, row, span)
@@ -60,7 +76,7 @@ class Residence:
         req = self.requests.get(rid)
         self.check_detach(rid)
         tag = self.ledger.record_fence(copied)
-        self._release_row(req.row, tag)
+        self.release_row(req.row, tag)
         self.requests.set_suspended(req.row, True)
 
     def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:
