@@ -47,7 +47,8 @@ class PagedBatch:
         self.layer_group = [int(g) for g in layout.layer_group]
         self.windows = list(layout.spec.windows)
         self.tpb = layout.tpb
-        self.per_layer = layout.spec.table_mode == "per_layer"
+        if layout.spec.table_mode != "per_layer":   # SHARED tables have no row per layer
+            raise UnsupportedModelError("the transformers backend needs table_mode='per_layer'")
         self.tables = interop.tables_to_torch(step)                  # int32 [L, max_batch, 2, B]
         self.write_pages, self.write_offsets = interop.write_positions_to_torch(step)
         self.write_pages, self.write_offsets = self.write_pages.long(), self.write_offsets.long()
@@ -68,7 +69,7 @@ class PagedBatch:
             self.num_loop = step.num_seqs
 
     @classmethod
-    def probe(cls, spec, device) -> "PagedBatch":
+    def probe(cls, spec) -> "PagedBatch":
         """A batch of one token that touches no cache: a forward with it checks that every layer calls the
         cupykv attention with the window the spec has for it (Engine does this before serving)."""
         import torch
@@ -77,7 +78,7 @@ class PagedBatch:
         from ..layout import Layout
         layout = Layout(spec)
         batch.layer_group = [int(g) for g in layout.layer_group]
-        batch.windows, batch.tpb, batch.per_layer = list(spec.windows), layout.tpb, True
+        batch.windows, batch.tpb = list(spec.windows), layout.tpb
         batch.cu, batch.starts, batch.total = np.array([0, 1]), np.array([0]), 1
         batch.layers_seen, batch.num_loop = [], 1
         return batch
@@ -91,8 +92,6 @@ class PagedBatch:
         """key, value [1, kv_heads, T, head_dim] -> the layer's pages at the step's write positions."""
         pages = self.pages[self.layer_group[layer]]
         wp, wo = self.write_pages[layer], self.write_offsets
-        if not self.per_layer:        # SHARED tables: the group's K page; the layer's offset is added here
-            raise UnsupportedModelError("the transformers backend needs table_mode='per_layer'")
         k = key[0].transpose(0, 1).to(pages.dtype)                  # [T, kv_heads, head_dim] (a strided view)
         v = value[0].transpose(0, 1).to(pages.dtype)
         pages[wp, wo] = k

@@ -58,6 +58,11 @@ def layer_windows(config) -> List[Optional[int]]:
     return [window if t == SLIDING else None for t in types]
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype (or its name) as CacheSpec names it: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).replace("torch.", "")
+
+
 def spec_from_config(config, *, tokens_per_block: int, max_batch: int, memory_bytes: Optional[int] = None,
                      **overrides) -> CacheSpec:
     """The CacheSpec of a transformers model config: windows per layer, num_kv_heads, head_dim, the
@@ -68,7 +73,7 @@ def spec_from_config(config, *, tokens_per_block: int, max_batch: int, memory_by
     heads = getattr(c, "num_attention_heads")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     dtype = getattr(c, "dtype", None)
-    dtype = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+    dtype = dtype_name(dtype) if dtype is not None else "float32"
     fields = dict(windows=layer_windows(config), num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                   head_dim=head_dim, dtype=dtype, tokens_per_block=tokens_per_block, max_batch=max_batch,
                   memory_bytes=memory_bytes,

@@ -38,9 +38,9 @@ from ..host_tier import HostTierFullError
 from ..manager import KVCacheManager
 from ..storage import KVStorage
 from .attention import NAME, PagedBatch, register
-from .config import UnsupportedModelError, spec_from_config, text_config
+from ..spec import DTYPE_BYTES
+from .config import UnsupportedModelError, dtype_name, spec_from_config, text_config
 
-_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
 @dataclass
@@ -110,8 +110,8 @@ class Engine:
             raise UnsupportedModelError(f"{type(model).__name__} has no config: not a transformers model")
         param = next(model.parameters())
         self.device = param.device
-        dtype = _DTYPES.get(str(param.dtype))
-        if dtype is None:
+        dtype = dtype_name(param.dtype)
+        if dtype not in DTYPE_BYTES:
             raise UnsupportedModelError(f"model dtype {param.dtype}: cupykv stores float32, float16 or bfloat16 KV")
         if backend == "auto":
             backend = "cuda" if self.device.type == "cuda" else "host"
@@ -165,7 +165,7 @@ class Engine:
         """One token through the model with a batch that touches no cache: every layer must call the cupykv
         attention, with the window the spec has for it (UnsupportedModelError otherwise)."""
         torch = self.torch
-        batch = PagedBatch.probe(self.spec, self.device)
+        batch = PagedBatch.probe(self.spec)
         one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         try:
             self._forward(batch, one, one)
