@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
 import cupykv
+
+# Without a GPU, Triton kernels (cupykv.hf's fast attention path) run under Triton's interpreter, which must be
+# chosen before triton is first imported.
+if not cupykv.cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from oracle import Capture, expected_tables  # noqa: F401 - for the test files that import them from here
 
 BACKENDS = ["host", "cuda"]

@@ -82,8 +82,8 @@ def test_a_broken_table_entry_changes_tokens(monkeypatch):
     want = [reference_tokens(model, p, NEW) for p in batch]
     init = hf.PagedBatch.__init__
 
-    def broken(self, step, storage):
-        init(self, step, storage)
+    def broken(self, step, storage, *args):
+        init(self, step, storage, *args)
         # the full-attention layer, entry 0: block 1's K and V read block 0's pages
         self.tables[5, 0, :, 1] = self.tables[5, 0, :, 0]
     monkeypatch.setattr(hf.PagedBatch, "__init__", broken)

@@ -14,9 +14,11 @@ sinks (GPT-OSS's `s_aux`: one logit per query head that joins each row's softmax
 arithmetic follows transformers' eager attention (products in the model's dtype, softmax in float32), so
 greedy tokens match `model.generate` exactly in float32.
 
-Torch only, on the CPU (host backend) or the GPU (cuda backend): context chunks one entry at a time,
-decode entries (one token each) all at once over the blocks each can see. Every tensor here is a torch tensor over cupykv's buffers (cupykv.interop), ordered after the
-step's `ready` on torch's current stream.
+Two paths compute it. "triton" (the default on CUDA, triton_attention.py): one kernel for every feature,
+over the step's tables in place. "torch" (the CPU path, and the reference the kernel is tested against):
+context chunks one entry at a time, decode entries (one token each) all at once over the blocks each can
+see. Every tensor here is a torch tensor over cupykv's buffers (cupykv.interop), ordered after the step's
+`ready` on torch's current stream.
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ class PagedBatch:
     start positions [num_seqs]).
 
     Build it after prepare_batch and before the forward; call `finish()` after the forward (the step's
-    buffers may be reused by the next prepare_batch once its finish has run on the device)."""
+    buffers may be reused by the next prepare_batch once its finish has run on the device).
+    attention: "torch" or "triton" (the path that computes attention; see the module's docstring)."""
 
-    def __init__(self, step, storage):
+    def __init__(self, step, storage, attention: str = "torch"):
         import torch
         self.torch = torch
         self.step, self.storage = step, storage
@@ -67,6 +70,12 @@ class PagedBatch:
             self.decode_entries = torch.arange(step.num_contexts, step.num_seqs, device=device)
         else:
             self.num_loop = step.num_seqs
+        self.fast = None
+        if attention == "triton":
+            from .triton_attention import TritonAttention
+            self.fast = TritonAttention(torch, self.tables.device, self.cu, self.starts, step.num_contexts)
+        elif attention != "torch":
+            raise InvalidRequestError(f"attention={attention!r}: 'torch' or 'triton'")
 
     @classmethod
     def probe(cls, spec) -> "PagedBatch":
@@ -80,7 +89,7 @@ class PagedBatch:
         batch.layer_group = [int(g) for g in layout.layer_group]
         batch.windows, batch.tpb = list(spec.windows), layout.tpb
         batch.cu, batch.starts, batch.total = np.array([0, 1]), np.array([0]), 1
-        batch.layers_seen, batch.num_loop = [], 1
+        batch.layers_seen, batch.num_loop, batch.fast = [], 1, None
         return batch
 
     def finish(self) -> None:
@@ -106,6 +115,10 @@ class PagedBatch:
         q_heads, kv_heads = query.shape[1], pages.shape[2]
         group = q_heads // kv_heads
         out = query.new_empty((1, self.total, q_heads, query.shape[3]))
+        if self.fast is not None:
+            self.fast(query[0].transpose(0, 1), pages, table, out[0], window=window, scaling=scaling,
+                      softcap=softcap, sinks=sinks)
+            return out
         tpb = self.tpb
         if self.num_loop < len(self.starts):
             c0 = int(self.cu[self.num_loop])

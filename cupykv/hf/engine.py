@@ -38,6 +38,7 @@ from ..host_tier import HostTierFullError
 from ..manager import KVCacheManager
 from ..storage import KVStorage
 from .attention import NAME, PagedBatch, register
+from .triton_attention import available as triton_available
 from ..spec import DTYPE_BYTES
 from .config import UnsupportedModelError, dtype_name, spec_from_config, text_config
 
@@ -97,12 +98,15 @@ class Engine:
     the peak KV bytes per layer kind and, on CUDA, the GPU's idle time between forwards (EngineStats).
     eos_token_id: a token id (or several) that ends a request, kept as its last token, as generate()
     does; None: every request runs to max_new_tokens. A request in the step already enqueued when its
-    end token reaches the host is freed then, and that step's token for it is dropped."""
+    end token reaches the host is freed then, and that step's token for it is dropped.
+    attention: "auto" (the Triton kernel on CUDA when triton is installed, else torch), "triton" or "torch"
+    (see cupykv.hf.attention)."""
 
     def __init__(self, model, *, max_batch: int, tokens_per_block: int = 16, memory_bytes: Optional[int] = None,
                  max_step_tokens: Optional[int] = None, prefix_caching: bool = True, host_tier_bytes: int = 0,
                  swa_scratch_reuse: bool = True, backend: str = "auto", use_graphs: bool = False,
-                 max_seq_len: Optional[int] = None, profile: bool = False, eos_token_id=None):
+                 max_seq_len: Optional[int] = None, profile: bool = False, eos_token_id=None,
+                 attention: str = "auto"):
         import torch
         self.torch, self.model = torch, model
         config = getattr(model, "config", None)
@@ -121,6 +125,14 @@ class Engine:
         if backend == "host" and self.device.type != "cpu":
             raise InvalidRequestError(f"backend='host' keeps the KV in host memory: the model must be on the CPU "
                                       f"(it is on {self.device}); use backend='cuda'")
+        if attention == "auto":
+            attention = "triton" if self.device.type == "cuda" and triton_available(self.device) else "torch"
+        if attention not in ("torch", "triton"):
+            raise InvalidRequestError(f"attention={attention!r}: 'auto', 'triton' or 'torch'")
+        if attention == "triton" and not triton_available(self.device):
+            raise InvalidRequestError(f"attention='triton' needs triton and a CUDA device (the model is on "
+                                      f"{self.device}; on the CPU only under TRITON_INTERPRET=1)")
+        self.attention = attention
         self.max_step_tokens = int(max_step_tokens) if max_step_tokens is not None else 512 + max_batch
         c = text_config(config)
         seq = int(max_seq_len) if max_seq_len is not None else int(getattr(c, "max_position_embeddings", 4096))
@@ -381,7 +393,7 @@ class Engine:
             entries[e].expected += 1
         if self.profile:
             self._record_kv()
-        batch = PagedBatch(step, self.storage)
+        batch = PagedBatch(step, self.storage, self.attention)
         timed = self.profile and dev.type == "cuda"
         try:
             if timed:
