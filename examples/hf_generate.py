@@ -38,7 +38,7 @@ def main() -> int:
         s = engine.stats
         wrong = sum(out != reference_tokens(model, p, NEW) for p, out in zip(first + follow, answers + replies))
         failures += wrong
-        print(f"{arch:8s} ({engine.mgr.backend.name} backend, {device}): {len(first + follow)} requests, "
+        print(f"{arch:8s} ({engine.mgr.backend.name} backend, {device}, {engine.attention} attention): {len(first + follow)} requests, "
               f"{s.generated_tokens} tokens in {s.steps} steps, {s.generated_tokens / seconds:.0f} tokens/s, "
               f"cache hits {s.hit_tokens} of {s.prompt_tokens} prompt tokens; "
               f"{'all tokens equal generate()' if not wrong else f'{wrong} requests differ from generate()'}")

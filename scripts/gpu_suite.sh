@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [kv-content] [hf] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [census]
+# [kv-content] [hf] [serve] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [census]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -47,9 +47,14 @@ for part in $parts; do
       run kv_content_seeds timeout ${KV_TIMEOUT:-300} python3 scripts/kv_content.py --backend cuda --seeds ${KV_SEEDS:-200}
       run kv_content timeout 200 python3 -m pytest -q -ra -p no:cacheprovider tests/test_kv_content.py \
           tests/test_cache_host_tier.py -k cuda ;;
-    hf)   # transformers models served on cupykv, on the GPU (tests/test_hf.py) and the example
-      run hf timeout ${HF_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider tests/test_hf.py -k "cuda or bf16"
-      [ -f examples/hf_generate.py ] && run hf_example timeout 120 python3 examples/hf_generate.py ;;
+    hf)   # transformers models served on cupykv, on the GPU (tests/test_hf*.py: both attention paths) and the example
+      run hf timeout ${HF_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider tests/test_hf.py \
+          tests/test_hf_triton.py -k "cuda or bf16"
+      run hf_example timeout 120 python3 examples/hf_generate.py ;;
+    serve)   # the serving benchmark (SERVE_SHAPES, SERVE_CONTENDERS, SERVE_TIMEOUT); serve.md/json come back
+      run serve timeout ${SERVE_TIMEOUT:-420} python3 -m cupykv.bench serve --out /tmp/serve_out \
+          --shapes ${SERVE_SHAPES:-gemma-3-4b,gpt-oss-20b} --contenders ${SERVE_CONTENDERS:-cupykv,cupykv_torch,generate_batch}
+      for f in /tmp/serve_out/serve.*; do cp "$f" "$OUT/${SERVE_TAG:-}$(basename $f)"; done ;;
     sanitize)   # the step kernels (exact grids), the gated race tests and graph capture, each tool over all;
                 # SANITIZE_TESTS / SANITIZE_K: other test files / another -k selection
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

@@ -86,17 +86,19 @@ class Contender:
 class CupykvEngine(Contender):
     name = "cupykv Engine"
 
-    def __init__(self, model, max_seq_len: int, max_batch: int):
+    def __init__(self, model, max_seq_len: int, max_batch: int, attention: str = "auto"):
         import cupykv.hf as hf
         self.engine = hf.Engine(model, max_batch=max_batch, tokens_per_block=16, max_seq_len=max_seq_len,
-                                max_step_tokens=2048, profile=True)
+                                max_step_tokens=2048, profile=True, attention=attention)
+        self.name = f"cupykv Engine ({self.engine.attention} attention)"
 
     def generate(self, prompts, new):
         return self.engine.generate(prompts, new)
 
     def report(self) -> dict:
         s = self.engine.stats
-        out = dict(peak_kv_bytes_per_layer=dict(s.peak_kv_bytes_per_layer), hit_tokens=s.hit_tokens,
+        out = dict(peak_kv_bytes_per_layer=dict(s.peak_kv_bytes_per_layer),
+                   window_bound_bytes_per_layer=dict(s.window_bound_bytes_per_layer), hit_tokens=s.hit_tokens,
                    prompt_tokens=s.prompt_tokens, steps=s.steps,
                    median_ttft_s=float(np.median(s.first_token_s)) if s.first_token_s else None)
         if s.forward_s:
@@ -178,6 +180,8 @@ def run_long(contender, prompts, new: int) -> dict:
 def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, command: str) -> int:
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and "cupykv_torch" in contenders and "cupykv" in contenders:
+        contenders = [c for c in contenders if c != "cupykv_torch"]     # (the CPU's only path already)
     rng = np.random.default_rng(0)
     rows, failures = [], 0
     for shape in shapes:
@@ -187,6 +191,7 @@ def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, c
         new_chat, new_long = (8, 8) if smoke else (64, 128)
         seq = (max(len(p) for p in longs) + new_long + 64) if smoke else 40960
         makers = {"cupykv": lambda: CupykvEngine(model, seq, 64),
+                  "cupykv_torch": lambda: CupykvEngine(model, seq, 64, attention="torch"),
                   "generate_batch": lambda: GenerateBatch(model),
                   "generate": lambda: PaddedGenerate(model)}
         tokens: Dict[str, dict] = {}
@@ -200,7 +205,7 @@ def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, c
                 tokens[name] = (chat["tokens"], long["tokens"] if long else None)
             except Exception as exc:           # a contender that does not run here is reported, not fatal
                 row = dict(shape=shape, contender=name, error=f"{type(exc).__name__}: {exc}")
-                failures += name == "cupykv"
+                failures += name.startswith("cupykv")
             rows.append(row)
             print(json.dumps(row))
             if device == "cuda":
@@ -218,8 +223,38 @@ def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, c
             json.dump(result, f, indent=1)
         with open(os.path.join(out_dir, "serve.md"), "w") as f:
             f.write(markdown(result))
-        print(f"wrote {out_dir}/serve.json, {out_dir}/serve.md")
+        print(f"wrote {out_dir}/serve.json, {out_dir}/serve.md; " + plot(result, os.path.join(out_dir, "serve.png")))
     return 1 if failures else 0
+
+
+def plot(result: dict, path: str) -> str:
+    """Output tokens/s per contender, one panel per workload and a group of bars per shape (log scale)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: matplotlib is not installed ({type(exc).__name__}); pip install 'cupykv[plot]'"
+    rows = [r for r in result["rows"] if "error" not in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(names))
+    for ax, workload in zip(axes, ("chat", "long")):
+        for i, name in enumerate(names):
+            vals = [next((r[workload] or {}).get("output_tps", 0) for r in rows
+                         if r["shape"] == shape and r["contender"] == name) if any(
+                         r["shape"] == shape and r["contender"] == name for r in rows) else 0 for shape in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=name)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(shapes))], shapes)
+        ax.set_yscale("log")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(workload)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{result['command']} ({result['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"wrote {path}"
 
 
 def _strip(r):
@@ -241,7 +276,8 @@ def markdown(result: dict) -> str:
                          "(from the request's submission, a turn's requests submitted together)")
         if "peak_kv_bytes_per_layer" in r:
             extra.append(f"- {r['shape']}, {r['contender']}: peak KV bytes per layer "
-                         f"{r['peak_kv_bytes_per_layer']}, prefix hits {r['hit_tokens']} of {r['prompt_tokens']} "
+                         f"{r['peak_kv_bytes_per_layer']} (the windows allow at that point "
+                         f"{r['window_bound_bytes_per_layer']}), prefix hits {r['hit_tokens']} of {r['prompt_tokens']} "
                          f"prompt tokens, {r['steps']} steps"
                          + (f", GPU idle between forwards {r['gpu_idle_s']:.3f} s of {r['forward_s']:.2f} s "
                             f"forward ({r['gpu_idle_share']:.1%})" if "forward_s" in r else ""))
@@ -256,9 +292,16 @@ def main(argv: List[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shapes", default="gemma-3-4b,gpt-oss-20b")
-    ap.add_argument("--contenders", default="cupykv,generate_batch,generate")
+    ap.add_argument("--contenders", default="cupykv,cupykv_torch,generate_batch,generate",
+                    help="cupykv (the Engine, its default attention path), cupykv_torch (its torch path), "
+                         "generate_batch, generate")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--plot-from", metavar="JSON", help="only draw serve.png (into --out) from a serve.json")
     a = ap.parse_args(argv)
+    if a.plot_from:
+        with open(a.plot_from) as f:
+            print(plot(json.load(f), os.path.join(a.out, "serve.png")))
+        return 0
     shapes = ["tiny"] if a.smoke else a.shapes.split(",")
     bad = [s for s in shapes if s not in SHAPES]
     if bad:

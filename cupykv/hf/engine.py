@@ -78,6 +78,9 @@ class EngineStats:
     # per layer kind ("full", "window W"): the most KV bytes one layer held (slots owned by requests and
     # scratch, at a step's prepare); recorded with Engine(profile=True)
     peak_kv_bytes_per_layer: Dict[str, int] = field(default_factory=dict)
+    # per sliding-window kind, at that peak: what the window allows, each request held its window's blocks
+    # plus one, and one step's chunk on top (ceil(W / tpb) + 1 blocks each, ceil(max_step_tokens / tpb) + 1)
+    window_bound_bytes_per_layer: Dict[str, int] = field(default_factory=dict)
     # with profile=True on CUDA: seconds of forward passes, and of the GPU's idle gaps between one forward's
     # end and the next one's start (what the host did meanwhile: cupykv's prepare, the batch, the launch)
     forward_s: float = 0.0
@@ -310,10 +313,16 @@ class Engine:
     def _record_kv(self) -> None:
         lay = self.mgr.layout
         peak = self.stats.peak_kv_bytes_per_layer
+        held_by = len(self.mgr.request_ids)
         for g, st in zip(lay.groups, self.mgr.stats()["groups"]):
             kind = "full" if g.window is None else f"window {g.window}"
-            held = (st["owned"] + st["scratch"]) * lay.slot_bytes(g) // g.num_layers
-            peak[kind] = max(peak.get(kind, 0), held)
+            block = lay.slot_bytes(g) // g.num_layers
+            held = (st["owned"] + st["scratch"]) * block
+            if held > peak.get(kind, -1):
+                peak[kind] = held
+                if g.window is not None:
+                    blocks = held_by * (-(-g.window // lay.tpb) + 1) + -(-self.max_step_tokens // lay.tpb) + 1
+                    self.stats.window_bound_bytes_per_layer[kind] = blocks * block
 
     def _admit(self) -> None:
         mgr = self.mgr
