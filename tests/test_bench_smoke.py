@@ -354,5 +354,5 @@ def test_serve_smoke_runs_and_agrees():
         assert run.returncode == 0, run.stdout + run.stderr
         assert "generate agrees with cupykv on 100%" in run.stdout
         rows = json.load(open(f"{out}/serve.json"))["rows"]
-        assert [r["contender"] for r in rows] == ["cupykv Engine", "transformers generate (padded batch)"]
+        assert [r["contender"] for r in rows] == ["cupykv Engine (torch attention)", "transformers generate (padded batch)"]
         assert rows[0]["hit_tokens"] > 0 and rows[0]["peak_kv_bytes_per_layer"]
