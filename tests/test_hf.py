@@ -170,23 +170,47 @@ def test_unsupported_models_are_refused_before_anything_is_allocated():
         hf.Engine(model, max_batch=2, tokens_per_block=4, max_seq_len=64)
 
 
+def next_token_logits(engine, prompt, new, monkeypatch):
+    """The engine's next-token logits [new, vocab] for one prompt alone (each forward's last row; a prompt
+    of one chunk) and its tokens."""
+    rows = []
+    forward = engine._forward
+
+    def kept(*args):
+        logits = forward(*args)
+        rows.append(logits[0, -1].float().cpu())
+        return logits
+    monkeypatch.setattr(engine, "_forward", kept)
+    out = engine.generate([prompt], new)[0]
+    monkeypatch.setattr(engine, "_forward", forward)
+    return torch.stack(rows), out
+
+
+def forward_logits(model, prompt, out):
+    """transformers' own forward over prompt + out (teacher-forced): the rows that predict out, float32."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out], device=model.device)
+        return model(ids).logits[0, len(prompt) - 1:-1].float().cpu()
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
-def test_bf16_tokens_agree_with_transformers_bf16_forward(backend, arch):
-    """bf16 (on the GPU, and on the CPU): exact tokens are no fair test (logit ties; GPT-OSS's router flips experts on rounding
-    noise in transformers' own bf16 forward too). Each token the engine picks must be, within bf16
-    rounding, a top logit of transformers' own bf16 forward over the same tokens (teacher-forced)."""
+def test_bf16_logits_as_close_to_float32_as_transformers_own_bf16(backend, arch, monkeypatch):
+    """bf16: exact tokens are no fair test (logit ties, and GPT-OSS's router flips experts on rounding noise).
+    The engine's bf16 next-token logits, against the float32 model's over the same tokens, must be no
+    further off than transformers' own bf16 forward is (mean absolute error, with a margin of half)."""
     if backend == "host":
         pytest.importorskip("ml_dtypes", reason="bfloat16 KV on the host backend needs ml_dtypes")
     device = device_of(backend)
+    exact = tiny_model(arch).to(device)
     model = tiny_model(arch, dtype=torch.bfloat16).to(device)
-    engine = hf.Engine(model, max_batch=3, tokens_per_block=16, max_step_tokens=13, max_seq_len=96)
-    batch = prompts(30, 27, 41)
-    for p, out in zip(batch, engine.generate(batch, NEW)):
-        with torch.no_grad():
-            logits = model(torch.tensor([p + out], device=device)).logits[0].float()
-        for i, token in enumerate(out):
-            row = logits[len(p) - 1 + i]
-            assert row[token] >= row.max() - (0.02 * row.abs().max() + 0.02), (arch, i, token, int(row.argmax()))
+    engine = hf.Engine(model, max_batch=1, tokens_per_block=16, max_step_tokens=64, max_seq_len=96)
+    ours = theirs = 0.0
+    for prompt in prompts(30, 27, 41):
+        got, out = next_token_logits(engine, prompt, NEW, monkeypatch)
+        want = forward_logits(exact, prompt, out)
+        ours += (got - want).abs().mean().item()
+        theirs += (forward_logits(model, prompt, out) - want).abs().mean().item()
+    assert ours <= 1.5 * theirs, (arch, engine.attention, ours, theirs)
 
 
 def test_end_tokens_stop_requests_as_generate_does(backend):
@@ -215,18 +239,8 @@ def test_float32_logits_within_a_tolerance_of_transformers(backend, arch, monkey
     the order of the sums): a request alone, so every forward's last row is its next token's logits."""
     model = tiny_model(arch).to(device_of(backend))
     engine = hf.Engine(model, max_batch=1, tokens_per_block=4, max_step_tokens=64, max_seq_len=96, backend=backend)
-    rows = []
-    forward = engine._forward
-
-    def kept(*args):
-        logits = forward(*args)
-        rows.append(logits[0, -1].float().cpu())
-        return logits
-    monkeypatch.setattr(engine, "_forward", kept)
     prompt = prompts(37)[0]
-    out = engine.generate([prompt], NEW)[0]
-    with torch.no_grad():
-        want = model(torch.tensor([prompt + out], device=model.device)).logits[0, len(prompt) - 1:-1].float().cpu()
-    got = torch.stack(rows)
+    got, out = next_token_logits(engine, prompt, NEW, monkeypatch)
+    want = forward_logits(model, prompt, out)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -101,8 +101,10 @@ class CupykvEngine(Contender):
                    window_bound_bytes_per_layer=dict(s.window_bound_bytes_per_layer), hit_tokens=s.hit_tokens,
                    prompt_tokens=s.prompt_tokens, steps=s.steps,
                    median_ttft_s=float(np.median(s.first_token_s)) if s.first_token_s else None)
+        out["cupykv_host_s"] = s.cupykv_host_s
         if s.forward_s:
-            out.update(forward_s=s.forward_s, gpu_idle_s=s.idle_s, gpu_idle_share=s.idle_s / s.forward_s)
+            out.update(forward_s=s.forward_s, gpu_idle_s=s.idle_s, gpu_idle_share=s.idle_s / s.forward_s,
+                       gpu_idle_cupykv_s=s.idle_cupykv_s, gpu_idle_cupykv_share=s.idle_cupykv_s / s.forward_s)
         return out
 
 
@@ -208,8 +210,8 @@ def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, c
                 failures += name.startswith("cupykv")
             rows.append(row)
             print(json.dumps(row))
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            c = None                            # the next contender needs this one's KV memory
+            release_memory(device)
         if "cupykv" in tokens:
             for name, (chat, long) in tokens.items():
                 if name != "cupykv":
@@ -257,6 +259,18 @@ def plot(result: dict, path: str) -> str:
     return f"wrote {path}"
 
 
+def release_memory(device: str) -> None:
+    """Give what dropped contenders held back to the device (torch's and CuPy's pools)."""
+    import gc
+    gc.collect()
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def _strip(r):
     return None if r is None else {k: v for k, v in r.items() if k != "tokens"}
 
@@ -279,8 +293,10 @@ def markdown(result: dict) -> str:
                          f"{r['peak_kv_bytes_per_layer']} (the windows allow at that point "
                          f"{r['window_bound_bytes_per_layer']}), prefix hits {r['hit_tokens']} of {r['prompt_tokens']} "
                          f"prompt tokens, {r['steps']} steps"
-                         + (f", GPU idle between forwards {r['gpu_idle_s']:.3f} s of {r['forward_s']:.2f} s "
-                            f"forward ({r['gpu_idle_share']:.1%})" if "forward_s" in r else ""))
+                         + f", {r['cupykv_host_s']:.2f} s of host time in cupykv's calls"
+                         + (f"; GPU idle between forwards {r['gpu_idle_s']:.3f} s of {r['forward_s']:.2f} s "
+                            f"forward ({r['gpu_idle_share']:.1%}), of which cupykv's calls explain at most "
+                            f"{r['gpu_idle_cupykv_s']:.3f} s ({r['gpu_idle_cupykv_share']:.1%})" if "forward_s" in r else ""))
         lines.append(f"| {r['shape']} | {r['contender']} | {c['output_tps']:.1f} | {c['total_tps']:.1f} | "
                      f"{c['first_turn_s']:.2f} | {lg.get('output_tps', float('nan')):.1f} | "
                      f"{lg.get('total_tps', float('nan')):.1f} |")

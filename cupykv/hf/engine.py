@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence
 
@@ -85,6 +86,11 @@ class EngineStats:
     # end and the next one's start (what the host did meanwhile: cupykv's prepare, the batch, the launch)
     forward_s: float = 0.0
     idle_s: float = 0.0
+    # of that idle time, what cupykv's calls could explain: for each gap, at most the host seconds spent in
+    # cupykv (add, prepare_batch, the batch's views, settle, free, suspend, resume) since the last launch
+    idle_cupykv_s: float = 0.0
+    # host seconds in cupykv's calls, in all
+    cupykv_host_s: float = 0.0
     # seconds from each request's add_request to its first token on the host, in the order they came
     first_token_s: List[float] = field(default_factory=list)
 
@@ -159,7 +165,8 @@ class Engine:
         self.profile = bool(profile)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos = {int(t) for t in eos}
-        self._events: List[tuple] = []          # (start, end) CUDA events of each forward, with profile
+        self._events: List[tuple] = []          # (start, end, cupykv host s before it) of each forward, with profile
+        self._since_launch = 0.0                # host seconds in cupykv since the last forward's launch
         self._order = itertools.count()
         self.stats = EngineStats()
 
@@ -284,7 +291,8 @@ class Engine:
                     raise OutOfSlotsError("no request can run: the pool is too small for the waiting ones")
                 return done
             try:
-                step = self.mgr.prepare_batch([(r.rid, n) for r, n in contexts], [r.rid for r in generation])
+                with self._in_cupykv():
+                    step = self.mgr.prepare_batch([(r.rid, n) for r, n in contexts], [r.rid for r in generation])
                 break
             except OutOfSlotsError:
                 if self._in_flight is not None:         # its settle may release slots, and preemption
@@ -303,12 +311,25 @@ class Engine:
         out = self._complete(previous) if previous is not None else {}
         if self._events:
             self._events[-1][1].synchronize()
-            for (a, b), (c, _) in zip(self._events, self._events[1:] + [(None, None)]):
-                self.stats.forward_s += a.elapsed_time(b) / 1e3
-                if c is not None:
-                    self.stats.idle_s += max(0.0, b.elapsed_time(c) / 1e3)
+            s = self.stats
+            for (a, b, _), (c, _, cupykv_s) in zip(self._events, self._events[1:]):
+                idle = max(0.0, b.elapsed_time(c) / 1e3)
+                s.idle_s += idle
+                s.idle_cupykv_s += min(idle, cupykv_s)
+            s.forward_s += sum(a.elapsed_time(b) / 1e3 for a, b, _ in self._events)
             self._events = []
         return out
+
+    @contextmanager
+    def _in_cupykv(self):
+        """Count the host time of the cupykv calls inside (stats.cupykv_host_s, and the idle attribution)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            self.stats.cupykv_host_s += dt
+            self._since_launch += dt
 
     def _record_kv(self) -> None:
         lay = self.mgr.layout
@@ -328,8 +349,9 @@ class Engine:
         mgr = self.mgr
         while self.waiting and len(mgr.request_ids) < self.spec.max_batch:
             req = self.waiting[0]
-            hit = mgr.add(req.rid, len(req.tokens), tokens=req.tokens if self.spec.prefix_caching else None,
-                          cache_salt=req.salt)
+            with self._in_cupykv():
+                hit = mgr.add(req.rid, len(req.tokens), tokens=req.tokens if self.spec.prefix_caching else None,
+                              cache_salt=req.salt)
             self.waiting.pop(0)
             req.scheduled, req.state, req.order = hit, "running", next(self._order)
             req.hit_tokens += hit
@@ -339,7 +361,8 @@ class Engine:
     def _resume(self) -> None:
         for req in sorted((r for r in self.requests.values() if r.state == "suspended"), key=lambda r: r.order):
             try:
-                self.storage.resume(req.rid)
+                with self._in_cupykv():
+                    self.storage.resume(req.rid)
             except OutOfSlotsError:
                 return
             req.state = "running"
@@ -368,13 +391,15 @@ class Engine:
         victim = max(running, key=lambda r: r.order)
         if self.storage.host_tier is not None:
             try:
-                self.storage.suspend(victim.rid)
+                with self._in_cupykv():
+                    self.storage.suspend(victim.rid)
                 victim.state = "suspended"
                 self.stats.preempted_suspend += 1
                 return True
             except (HostTierFullError, CupykvError):
                 pass
-        self.mgr.free(victim.rid)               # computed again later, all its tokens as the prompt
+        with self._in_cupykv():
+            self.mgr.free(victim.rid)           # computed again later, all its tokens as the prompt
         victim.state, victim.scheduled = "waiting", 0
         self.waiting.insert(0, victim)
         self.stats.preempted_recompute += 1
@@ -402,12 +427,14 @@ class Engine:
             entries[e].expected += 1
         if self.profile:
             self._record_kv()
-        batch = PagedBatch(step, self.storage, self.attention)
+        with self._in_cupykv():
+            batch = PagedBatch(step, self.storage, self.attention)
         timed = self.profile and dev.type == "cuda"
         try:
             if timed:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
+                cupykv_s, self._since_launch = self._since_launch, 0.0
             input_ids = torch.from_numpy(ids).to(dev)
             if late:
                 at, src = (torch.tensor(x, device=dev) for x in zip(*late))
@@ -418,7 +445,7 @@ class Engine:
             if timed:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                self._events.append((start, end))
+                self._events.append((start, end, cupykv_s))
         finally:
             batch.finish()
         host, ready = None, None
@@ -447,7 +474,8 @@ class Engine:
                 f.fed[f.generation[j - (len(f.late_ids) - len(f.generation))].rid] = token
         new = ({r.rid: [f.fed[r.rid]] for r in f.generation if r.state != "done"} if self.spec.prefix_caching
                else None)
-        self.mgr.settle(f.step, input_tokens=new)
+        with self._in_cupykv():
+            self.mgr.settle(f.step, input_tokens=new)
         out = {}
         for r, token in zip(f.sampled_by, tokens):
             if r.state == "done":               # it ended (an end token) after this step was enqueued
@@ -458,7 +486,8 @@ class Engine:
                 self.stats.first_token_s.append(time.perf_counter() - r.added_at)
             if len(r.generated) >= r.max_new or int(token) in self.eos:
                 r.state = "done"
-                self.mgr.free(r.rid)
+                with self._in_cupykv():
+                    self.mgr.free(r.rid)
         self.stats.generated_tokens += len(tokens)
         return out
 
