@@ -87,9 +87,12 @@ class CupykvEngine(Contender):
     name = "cupykv Engine"
 
     def __init__(self, model, max_seq_len: int, max_batch: int, attention: str = "auto"):
+        import torch
         import cupykv.hf as hf
+        # the KV pool: half the device memory the weights left free (the others size their caches the same way)
+        memory = int(torch.cuda.mem_get_info()[0] * 0.5) if model.device.type == "cuda" else None
         self.engine = hf.Engine(model, max_batch=max_batch, tokens_per_block=16, max_seq_len=max_seq_len,
-                                max_step_tokens=2048, profile=True, attention=attention)
+                                max_step_tokens=2048, profile=True, attention=attention, memory_bytes=memory)
         self.name = f"cupykv Engine ({self.engine.attention} attention)"
 
     def generate(self, prompts, new):
