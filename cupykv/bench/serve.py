@@ -48,7 +48,9 @@ def build(shape: str, device: str):
     import torch
     import transformers as tf
     cls_name, fields = SHAPES[shape]
-    config = getattr(tf, cls_name)(**fields, attn_implementation="sdpa")
+    # the model's own attention for the contenders that use it: sdpa where transformers has it for the
+    # architecture (GPT-OSS's learned sinks have eager only)
+    config = getattr(tf, cls_name)(**fields, attn_implementation="eager" if cls_name == "GptOssConfig" else "sdpa")
     model_cls = {"Gemma3TextConfig": tf.Gemma3ForCausalLM, "GptOssConfig": tf.GptOssForCausalLM}[cls_name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
