@@ -120,13 +120,25 @@ class GenerateBatch(Contender):
         from transformers import GenerationConfig
         self.model = model
         self.config = GenerationConfig(do_sample=False, eos_token_id=None)
+        self.cb_config = None
+        try:            # its paged cache: half the free device memory, as the Engine's pool
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+            self.cb_config = ContinuousBatchingConfig(max_memory_percent=0.5)
+        except ImportError:
+            pass
         self.ttft: List[float] = []
 
     def generate(self, prompts, new):
         self.config.max_new_tokens = new
+        extra = {"continuous_batching_config": self.cb_config} if self.cb_config is not None else {}
         out = self.model.generate_batch(prompts, generation_config=self.config, progress_bar=False,
-                                        record_timestamps=True)
-        outs = [out[f"req_{i}"] for i in range(len(prompts))]
+                                        record_timestamps=True, **extra)
+        outs = [out.get(f"req_{i}") for i in range(len(prompts))]
+        failed = [i for i, o in enumerate(outs) if o is None or getattr(o, "error", None) or not o.generated_tokens]
+        if failed:              # it logs its errors and returns the requests empty: a failure, not 0 tokens/s
+            o = outs[failed[0]]
+            raise RuntimeError(f"generate_batch: {len(failed)} of {len(prompts)} requests failed "
+                               f"({getattr(o, 'error', None) or 'no tokens'})")
         self.ttft += [o.timestamps[0] - o.created_time for o in outs if getattr(o, "timestamps", None)]
         return [list(o.generated_tokens) for o in outs]
 
