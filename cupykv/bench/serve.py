@@ -254,7 +254,7 @@ def serve(shapes: List[str], smoke: bool, contenders: List[str], out_dir: str, c
 
 
 def plot(result: dict, path: str) -> str:
-    """Output tokens/s per contender, one panel per workload and a group of bars per shape (log scale)."""
+    """Output tokens/s per contender, one panel per workload and a group of bars per shape, each bar labelled."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -264,22 +264,21 @@ def plot(result: dict, path: str) -> str:
     rows = [r for r in result["rows"] if "error" not in r]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     names = list(dict.fromkeys(r["contender"] for r in rows))
+    value = {(r["shape"], r["contender"], w): (r[w] or {}).get("output_tps", 0.0) for r in rows for w in ("chat", "long")}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(names))
     for ax, workload in zip(axes, ("chat", "long")):
         for i, name in enumerate(names):
-            vals = [next((r[workload] or {}).get("output_tps", 0) for r in rows
-                         if r["shape"] == shape and r["contender"] == name) if any(
-                         r["shape"] == shape and r["contender"] == name for r in rows) else 0 for shape in shapes]
-            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=name)
+            vals = [value.get((shape, name, workload), 0.0) for shape in shapes]
+            bars = ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=name)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(shapes))], shapes)
-        ax.set_yscale("log")
         ax.set_ylabel("output tokens/s")
         ax.set_title(workload)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{result['command']} ({result['device']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return f"wrote {path}"
 
 
