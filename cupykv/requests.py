@@ -21,6 +21,7 @@ import numpy as np
 from .errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .ledger import StepLedger
     from .step import Step
 
 RequestId = Hashable
@@ -71,7 +72,7 @@ class Request:
     @property
     def pending(self) -> List["Step"]:
         """Prepared steps of this request that are not settled yet, oldest first."""
-        return [s for s in self._table.unsettled()
+        return [s for s in self._table.ledger.unsettled
                 if np.any((s.rows == self.row) & (s.incarnations == self.incarnation))]
 
 
@@ -179,7 +180,7 @@ class GenBatch:
 class RequestTable:
     """Rows of the page table and who holds them, with each row's numbers (int64 [rows] arrays)."""
 
-    def __init__(self, rows: int, num_groups: int, sink_blocks: np.ndarray, unsettled):
+    def __init__(self, rows: int, num_groups: int, sink_blocks: np.ndarray, ledger: "StepLedger"):
         self.hist = np.zeros(rows, np.int64)            # settled tokens
         self.cap = np.zeros(rows, np.int64)             # reserved tokens (history + unsettled steps)
         self.prompt = np.zeros(rows, np.int64)
@@ -194,7 +195,7 @@ class RequestTable:
         self.free_rows = list(range(rows))
         self.moves = 0
         self.cap_writes = 0
-        self.unsettled = unsettled                      # () -> the manager's unsettled steps (Request.pending)
+        self.ledger = ledger                            # its unsettled steps: Request.pending
         self._gen: Optional[GenBatch] = None
 
     def __len__(self) -> int:

@@ -14,6 +14,7 @@ import pytest
 import cupykv
 from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
 from cupykv import pipeline, staging
+from cupykv.planner import StepPlanner
 from conftest import Capture, expected_tables
 
 TPB = 8
@@ -147,13 +148,13 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 @pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
 def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
     """A settle whose rows release many window blocks at once (a long chunk's: at least
-    manager.SLICE_MIN_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range
+    prefix_hook.SLICE_MIN_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range
     and shipped as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
     range is mostly scratch blocks without a slot, and goes cell by cell. Checked against the oracle's model (the blocks
     that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
     reference; chunks are settled one step late, and each request's row is freed and taken by the next
     request in the same interval."""
-    from cupykv.manager import SLICE_MIN_BLOCKS
+    from cupykv.prefix_hook import SLICE_MIN_BLOCKS
     from oracle import Modelled
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
@@ -220,8 +221,8 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
                             max_seq_len=157, max_batch=8, slots_per_group=400, max_rewind=3)
     mgr = cupykv.KVCacheManager(spec, backend="host")
     model, cap = Model(mgr), Capture(mgr)
-    in_room, known = [], []         # per step planned: by _plan_in_room (True) or by _plan (False)
-    plan_in_room, plan, knows = (cupykv.KVCacheManager._plan_in_room, cupykv.KVCacheManager._plan,
+    in_room, known = [], []         # per step planned: by plan_in_room (True) or by plan (False)
+    plan_in_room, plan, knows = (StepPlanner.plan_in_room, StepPlanner.plan,
                                  cupykv.requests.GenBatch.knows)
 
     def planned_in_room(self, *args):
@@ -229,8 +230,8 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
         if p is not None:
             in_room.append(True)
         return p
-    monkeypatch.setattr(cupykv.KVCacheManager, "_plan_in_room", planned_in_room)
-    monkeypatch.setattr(cupykv.KVCacheManager, "_plan", lambda self, *a: in_room.append(False) or plan(self, *a))
+    monkeypatch.setattr(StepPlanner, "plan_in_room", planned_in_room)
+    monkeypatch.setattr(StepPlanner, "plan", lambda self, *a: in_room.append(False) or plan(self, *a))
     monkeypatch.setattr(cupykv.requests.GenBatch, "knows",
                         lambda self, at: known.append(knows(self, at)) or known[-1])
     rng = np.random.default_rng(batch)
@@ -286,7 +287,7 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
         return orig_batch(gen_ids, ctx_rows)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow.planner, "plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     found, built = [], []
     openings = cupykv.requests.GenBatch.openings
 
@@ -383,7 +384,7 @@ def _twin_managers(monkeypatch):
         return orig_settle(step, accepted)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow.planner, "plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     monkeypatch.setattr(slow, "settle", checking_settle)
     return fast, slow
 
