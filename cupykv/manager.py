@@ -29,23 +29,24 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .allocator import CachingSlotPool, SlotPool
-from .args import accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
+from .args import manager_options, accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backends
 from .errors import (CapacityExceededError, InvalidRequestError, InvalidSpecError, SpecTooLargeError,
                      StepOrderError)
 from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
-from .planner import ChunkSlots, Plan, StepPlanner
+from .chunks import commit_chunks
+from .planner import Plan, StepPlanner
 from .prefix_cache import PrefixCache
 from .prefix_hook import NoPrefixCaching, PrefixCaching
 from .residence import Residence
+from .settler import StepSettler
 from .requests import Request, RequestId, RequestTable, frozen
 from .spec import INT32_MAX, CacheSpec
 from .step import DeviceStep, Step
 from .table import PageTable
 
-STAGING_MODES = ("snapshot", "unsafe")
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
 
 
@@ -82,25 +83,16 @@ class KVCacheManager:
                  steady_batch_delta: bool = True, devices: Optional[Sequence[int]] = None):
         if not isinstance(spec, CacheSpec):
             raise InvalidSpecError(f"spec={spec!r}: needs a cupykv.CacheSpec")
-        if not isinstance(staging, str) or staging not in STAGING_MODES:
-            raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
-        ring_slots = as_count(ring_slots, "ring_slots", minimum=1, error=InvalidSpecError)
-        max_ring_slots = as_count(max_ring_slots, "max_ring_slots", minimum=ring_slots, error=InvalidSpecError)
-        max_steps_in_flight = as_count(max_steps_in_flight, "max_steps_in_flight", minimum=1,
-                                       error=InvalidSpecError)
-        if (not isinstance(staging_timeout_s, (int, float, np.integer, np.floating)) or isinstance(staging_timeout_s, bool)
-                or not staging_timeout_s > 0):
-            raise InvalidSpecError(f"staging_timeout_s={staging_timeout_s!r}: must be a positive number of seconds")
-        debug_verify_mirror = as_flag(debug_verify_mirror, "debug_verify_mirror", InvalidSpecError)
-        use_graphs = as_flag(use_graphs, "use_graphs", InvalidSpecError)
-        steady_batch_delta = as_flag(steady_batch_delta, "steady_batch_delta", InvalidSpecError)
+        o = manager_options(staging=staging, ring_slots=ring_slots, max_ring_slots=max_ring_slots,
+                            staging_timeout_s=staging_timeout_s, max_steps_in_flight=max_steps_in_flight,
+                            debug_verify_mirror=debug_verify_mirror, use_graphs=use_graphs,
+                            steady_batch_delta=steady_batch_delta)
         self.spec = spec
         self.layout = lay = Layout(spec)
         self.backends = make_backends(backend, devices)
         self.backend = be = self.backends[0]
         self.devices = [getattr(b, "device_id", 0) for b in self.backends]
-        self.staging = staging
-        self.debug_verify_mirror = debug_verify_mirror
+        self.staging, self.debug_verify_mirror = o["staging"], o["debug_verify_mirror"]
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         if P * rows * B > INT32_MAX:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
@@ -111,29 +103,23 @@ class KVCacheManager:
             self.cache = (PrefixCache(lay, self.pools, spec.prefix_retention, spec.prefix_events)
                           if spec.prefix_caching else None)
             self.page_table = PageTable(be, P, rows, B)
-            self.ledger = StepLedger(self.pools, float(staging_timeout_s))
+            self.ledger = StepLedger(self.pools, o["staging_timeout_s"])
             self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
                                          self.ledger)
-            options = dict(ring_slots=ring_slots, max_ring_slots=max_ring_slots,
-                           timeout_s=float(staging_timeout_s), use_graphs=use_graphs,
-                           steady_batch_delta=steady_batch_delta)
-            self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if staging == "unsafe"
+            options = dict(ring_slots=o["ring_slots"], max_ring_slots=o["max_ring_slots"],
+                           timeout_s=o["staging_timeout_s"], use_graphs=o["use_graphs"],
+                           steady_batch_delta=o["steady_batch_delta"])
+            self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if self.staging == "unsafe"
                              else StepPipeline(lay, self.backends, **options))
         except MemoryError as e:
-            raise SpecTooLargeError(
-                f"the buffers this CacheSpec sizes do not fit ({e}): the page table and the outputs grow with "
-                f"max_batch={spec.max_batch} x (max_seq_len={spec.max_seq_len} + max_rewind={spec.max_rewind}) / "
-                f"tokens_per_block, the write positions with num_layers={spec.num_layers} x max_step_tokens="
-                f"{spec.step_token_capacity}" + ("" if spec.max_step_tokens is not None else
-                                                 " (by default 8192 + max_batch x (1 + max_rewind))")) from e
-        self._windowed = [g for g in lay.groups if not g.keeps_every_block]
+            raise SpecTooLargeError(f"the buffers this CacheSpec sizes do not fit ({e}): {spec.buffer_sizes()}") from e
         self.prefix = (NoPrefixCaching(lay, self.requests, self.page_table, self.pools) if self.cache is None else
                        PrefixCaching(lay, self.requests, self.page_table, self.pools, self.ledger, self.cache))
         self.planner = StepPlanner(spec, lay, self.requests, self.ledger, self.page_table, self.pools,
-                                   self.pipeline, self.prefix, max_steps_in_flight)
+                                   self.pipeline, self.prefix, o["max_steps_in_flight"])
+        self.settler = StepSettler(spec, lay, self.requests, self.page_table, self.pools, self.ledger, self.prefix)
         self.host_tier = None           # a KVStorage's host tier, once attach_host_tier registered it
         self.residence = Residence(self)
-        self._scratch_held = [0] * P
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
                             frozen(np.zeros((P, 0, 0), np.int32)))
@@ -201,7 +187,7 @@ class KVCacheManager:
         self.prefix.end(req.row)        # with caching, every cached block it holds keeps its hash
         self.residence.release_row(req.row, tag)
         for slots in req.scratch.values():
-            self._release_scratch(slots, tag)
+            self.settler.release_scratch(slots, tag)
         req.scratch.clear()
         if self.host_tier is not None:
             self.host_tier.forget(rid)
@@ -283,7 +269,9 @@ class KVCacheManager:
         step_id = ledger.next_id
         gen, k = plan.gen, plan.k
         if plan.ctx_rows:
-            begs, ends, scratch = self._commit_contexts(plan, step_id)
+            for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
+                self.prefix.chunk_end(row, int(reqs.cap[row]) + n)
+            begs, ends, scratch = commit_chunks(plan, step_id, table, self.pools, reqs)
         else:
             begs, ends, scratch = self._no_scratch
         if len(plan.new_rows):
@@ -325,41 +313,6 @@ class KVCacheManager:
             self.pipeline.verify_mirror(table)
         return step
 
-    def _commit_contexts(self, plan: Plan, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Own slots and scratch slots of the step's context chunks (at least one); returns the scratch
-        metadata."""
-        lay, table, C = self.layout, self.page_table, len(plan.ctx_rows)
-        for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
-            self.prefix.chunk_end(row, int(self.requests.cap[row]) + n)
-        begs = np.zeros((lay.num_groups, C), np.int32)
-        ends = np.zeros((lay.num_groups, C), np.int32)
-        scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
-        held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
-        for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
-            table.write_runs(chunks.starts, chunks.lens, slots, chunks.offs)
-            for c, s_lo, s_hi, o, n in chunks.scratch:
-                if c not in held:
-                    held[c] = [_NO_SLOTS] * lay.num_groups
-                held[c][p] = slots[o:o + n]
-                begs[p, c], ends[p, c] = s_lo, s_hi
-                scratch[p, c, :n] = held[c][p]
-                self._scratch_held[p] += n
-        for c, per_group in held.items():
-            self.requests.get(plan.ctx_ids[c]).scratch[step_id] = per_group
-        return begs, ends, scratch
-
-    def _allocate_chunks(self, per_group: List[ChunkSlots]) -> List[np.ndarray]:
-        """Each group's slots for the chunks, as allocating them chunk by chunk (each chunk group by group)
-        gives: one allocation per group unless some group would evict cached blocks, whose evictions are
-        reported (cache events, copies out) in that order."""
-        if all(chunks.count <= pool.num_free for chunks, pool in zip(per_group, self.pools)):
-            return [pool.allocate(chunks.count) for chunks, pool in zip(per_group, self.pools)]
-        parts = [[] for _ in per_group]
-        for c in range(len(per_group[0].sizes)):
-            for p, chunks in enumerate(per_group):
-                parts[p].append(self.pools[p].allocate(chunks.sizes[c]))
-        return [np.concatenate(slots) for slots in parts]
-
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block) (at least one): one table write for all groups."""
         table = self.page_table
@@ -391,7 +344,7 @@ class KVCacheManager:
             if input_tokens is not None:
                 raise InvalidRequestError("settle: give input_tokens= (new_tokens= is its former name), not both")
             input_tokens = new_tokens
-        reqs, ledger = self.requests, self.ledger
+        ledger = self.ledger
         if isinstance(step, DeviceStep):
             raise StepOrderError(f"settle takes the Step (step {step.id} as prepare_batch returned it), not "
                                  f"step.on({step.rank}): the tokens are settled once for every device")
@@ -404,67 +357,9 @@ class KVCacheManager:
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
         reported = generation_tokens(input_tokens, step.request_ids, acc, step.num_contexts, step.id)
-        rows, tokens, entries = step.index_rows, step.num_tokens, None
-        live = range(step.num_contexts)     # the live contexts
-        if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
-            entries = np.flatnonzero(reqs.incarnation[rows] == step.incarnations)
-            rows, acc, tokens = rows[entries], acc[entries], tokens[entries]
-            live = entries[entries < step.num_contexts]
-        rejected = tokens - acc if accepted is not None else None
-        rewinds = np.flatnonzero(rejected) if rejected is not None else ()
-        for i in rewinds:
-            rid = step.request_ids[i if entries is None else entries[i]]
-            if rejected[i] > self.spec.max_rewind:
-                raise CapacityExceededError(f"request {rid!r}: rejecting {rejected[i]} tokens exceeds "
-                                            f"max_rewind={self.spec.max_rewind}")
-            if reqs.last_scheduled[rows[i]] != step.id:
-                raise StepOrderError(f"request {rid!r}: cannot reject tokens of step {step.id}: a later step "
-                                     f"{reqs.last_scheduled[rows[i]]} already scheduled it")
-        tag = ledger.last_prepared
-        hist = reqs.hist[rows] + acc
-        reqs.hist[rows] = hist
-        for i in rewinds:
-            cap, row = int(reqs.cap[rows[i]]), int(rows[i])
-            reqs.set_capacity(row, cap - rejected[i])
-            for g in self.layout.groups:
-                lo, hi = g.rewind_blocks(cap, int(rejected[i]))
-                self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
-        # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
-        if len(live):
-            per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
-            per_chunk = [held for held in per_chunk if len(held)]
-            if per_chunk:
-                self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
-        self.prefix.settle(step, np.arange(step.num_seqs) if entries is None else entries, rows, hist, acc, reported)
-        self._release_stale(rows, hist, tag)
+        self.settler.settle(step, acc, reported, accepted is not None)
         step.settled = True
         ledger.unsettled.pop(0)
-
-    def _release_stale(self, rows: np.ndarray, hist: np.ndarray, tag: int) -> None:
-        """Release the SWA blocks that fell out of the window now that `rows` have `hist` tokens settled:
-        per row and group [stale_done, stale_end). Only rows whose stale end crossed a block boundary this
-        step release anything; stale_done starts at the sink blocks."""
-        for g in self._windowed:
-            end = g.stale_end(hist)
-            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: cheaper than a 2-D one)
-            done = stale_done[rows]
-            moved = (end > done).nonzero()[0]
-            if len(moved):
-                r, hi = rows[moved], end[moved]
-                self.prefix.release_window(g, r, done[moved], hi, tag)
-                stale_done[r] = hi
-
-    # -- slots -------------------------------------------------------------------------------------
-    def _release(self, p: int, cells: np.ndarray, tag: int) -> None:
-        """Let go of the slots held at these flat cells of group p and clear the cells; slots left with no
-        holder are quarantined."""
-        _, slots = self.page_table.take(cells)
-        self.pools[p].release(slots, tag)
-
-    def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
-        for p, slots in enumerate(per_group):
-            self.pools[p].release(slots, tag)
-            self._scratch_held[p] -= len(slots)
 
     # -- completion --------------------------------------------------------------------------------
     def reclaim(self, wait: bool = False) -> None:
@@ -492,8 +387,9 @@ class KVCacheManager:
         (their own stats, or None when off)."""
         self.ledger.poll()
         groups = []
+        held = self.requests.scratch_held(self.layout.num_groups)
         for g, pool in zip(self.layout.groups, self.pools):
-            scratch = self._scratch_held[g.index]
+            scratch = held[g.index]
             owned = pool.total - pool.num_free - pool.num_quarantined - pool.num_evictable - scratch
             groups.append(dict(window=g.window, layers=g.num_layers, total=pool.total, free=pool.num_free,
                                owned=owned, scratch=scratch, quarantined=pool.num_quarantined,
@@ -519,5 +415,5 @@ class KVCacheManager:
     def state(self) -> tuple:
         """A comparable snapshot of every piece of host state (tests compare it around failing calls)."""
         return (self.page_table.state(), self.requests.state(), tuple(p.state() for p in self.pools),
-                self.ledger.state(), tuple(self._scratch_held), self.prefix.state(),
+                self.ledger.state(), self.requests.scratch_held(self.layout.num_groups), self.prefix.state(),
                 self.host_tier.state() if self.host_tier else None, tuple(sorted(self.requests.loading)))

@@ -19,37 +19,9 @@ from .entries import most_rebuilt
 from .layout import NO_INDEX
 from .requests import GenBatch
 from .args import as_count
+from .chunks import ChunkSlots
 from .staging import snapshot_words
 from .table import expand_ranges
-
-
-class ChunkSlots:
-    """One group's slots for a step's context chunks, laid out as chunk-by-chunk allocation would take
-    them: each chunk's own blocks, then its scratch slots. The own blocks are runs of table cells (the
-    scratch range lies inside the chunk's blocks and splits them)."""
-
-    __slots__ = ("count", "sizes", "starts", "lens", "offs", "scratch")
-
-    def __init__(self):
-        self.count = 0          # slots taken so far
-        self.sizes: List[int] = []      # per chunk: its slots
-        self.starts: List[int] = []     # per run: flat table index of its first cell,
-        self.lens: List[int] = []       # its length,
-        self.offs: List[int] = []       # and the position of its first slot among the group's
-        self.scratch: list = []         # (chunk, scratch lo, scratch hi, position of its first slot, slots)
-
-    def add(self, chunk: int, row_start: int, lo: int, hi: int, s_lo: int, s_hi: int, scratch_slots: int) -> None:
-        first = self.count
-        for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
-            if b > a:
-                self.starts.append(row_start + a)
-                self.lens.append(b - a)
-                self.offs.append(self.count)
-                self.count += b - a
-        if scratch_slots:
-            self.scratch.append((chunk, s_lo, s_hi, self.count, scratch_slots))
-            self.count += scratch_slots
-        self.sizes.append(self.count - first)
 
 
 @dataclass

@@ -198,6 +198,15 @@ class RequestTable:
         self.ledger = ledger                            # its unsettled steps: Request.pending
         self._gen: Optional[GenBatch] = None
 
+    def scratch_held(self, num_groups: int) -> Tuple[int, ...]:
+        """Scratch slots held per group (by the context chunks of unsettled steps)."""
+        held = [0] * num_groups
+        for req in self.requests.values():
+            for per_group in req.scratch.values():
+                for p, slots in enumerate(per_group):
+                    held[p] += len(slots)
+        return tuple(held)
+
     def __len__(self) -> int:
         return len(self.requests)
 
