@@ -292,7 +292,8 @@ class KVCacheManager:
         reqs.last_scheduled[rows] = step_id
         ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
-                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
+                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows,
+                    list_key=(gen.serial, k, plan.pad_to) if gen is not None and not plan.ctx_rows else None)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells, cleared, written = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),

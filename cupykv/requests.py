@@ -13,6 +13,7 @@ compare it.
 from __future__ import annotations
 
 import heapq
+import itertools
 from operator import itemgetter
 from typing import TYPE_CHECKING, Dict, Hashable, List, Optional, Tuple
 
@@ -99,11 +100,12 @@ class GenBatch:
     built only on the second of two such steps in a row (building costs a few steps' savings).
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
+    __slots__ = ("ids", "serial", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
                  "_phase_k", "_phase", "_steady", "_by_phase", "_rows_by_phase", "_phase_bounds")
 
-    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
+    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int, serial: int):
         self.ids = ids
+        self.serial = serial            # unique per list made: (serial, k) names a decode step's batch (Step.list_key)
         self.rows = frozen(rows)                             # int64, for indexing the per-row arrays
         self.rows32 = frozen(rows.astype(np.int32))          # Step.rows
         self.incarnations = frozen(incarnations)
@@ -197,6 +199,7 @@ class RequestTable:
         self.cap_writes = 0
         self.ledger = ledger                            # its unsettled steps: Request.pending
         self._gen: Optional[GenBatch] = None
+        self._serials = itertools.count()
 
     def scratch_held(self, num_groups: int) -> Tuple[int, ...]:
         """Scratch slots held per group (by the context chunks of unsettled steps)."""
@@ -292,7 +295,7 @@ class RequestTable:
             i = int(np.argmax(unready))
             raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
                                       f"is scheduled ({cap[i]} of {self.prompt[rows[i]]} tokens)")
-        self._gen = batch = GenBatch(gen_ids, rows, self.incarnation[rows], self.moves)
+        self._gen = batch = GenBatch(gen_ids, rows, self.incarnation[rows], self.moves, next(self._serials))
         return batch
 
     def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:

@@ -809,7 +809,7 @@ def test_ranges_across_features(monkeypatch):
 @pytest.mark.parametrize("ring_slots", [1, 4])
 def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots, monkeypatch):
     """A decode step of the previous step's very list, which rebuilt no entry, copies the previous step's
-    snapshot, writes its id and start positions and packs its own table deltas (pipeline._ListSnapshot;
+    snapshot, writes its id and start positions and packs its own table deltas (pipeline._DecodeList;
     a quiet step, with no delta after one with none, packs nothing). Every such snapshot must be the bytes
     pack_snapshot gives for the step, and every step's tables and write positions the reference's, across
     block openings, window releases, another list now and then, a change of padding or of tokens per entry,
@@ -820,11 +820,12 @@ def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots,
                             max_seq_len=4096, max_batch=6, slots_per_group=600, max_rewind=2)
     mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=ring_slots)
     cap = Capture(mgr, write_positions=True)
-    repacked, repack = [], pipeline._ListSnapshot.repack
+    repacked, repack = [], pipeline._DecodeList.repack
 
     def checked(self, buf, step, cells, values, cleared, written):
         words = repack(self, buf, step, cells, values, cleared, written)
-        rebuilt, held = mgr.pipeline.entries.unchanged(step.rows, step.pad_to)
+        entries = mgr.pipeline.entries          # a list step rebuilds nothing; the entries past it stay held
+        rebuilt, held = np.zeros(0, np.int64), entries.holder[max(len(step.rows), step.pad_to):entries.held_end]
         want = np.zeros(words + 64, np.int32)
         n = staging.pack_snapshot(want, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                                   step.scratch_slots, cells, values,
@@ -834,7 +835,7 @@ def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots,
         deltas = len(cells) > 0 or cleared is not None or written is not None
         repacked.append((n == words and np.array_equal(buf[:words], want[:n]), step.id, deltas))
         return words
-    monkeypatch.setattr(pipeline._ListSnapshot, "repack", checked)
+    monkeypatch.setattr(pipeline._DecodeList, "repack", checked)
     rng = np.random.default_rng(ring_slots)
     for r, n in (("a", 21), ("b", 40), ("c", 9)):
         mgr.add(r, n)
@@ -884,7 +885,7 @@ def test_a_list_step_after_one_with_many_deltas_fits_its_smaller_slot(backend_na
     mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=2)
     cap = Capture(mgr, write_positions=True)
     rng = np.random.default_rng(0)
-    repacked, repack = [], pipeline._ListSnapshot.repack
+    repacked, repack = [], pipeline._DecodeList.repack
 
     def step(contexts, generation):
         s = mgr.prepare_batch(contexts, generation)
@@ -905,12 +906,12 @@ def test_a_list_step_after_one_with_many_deltas_fits_its_smaller_slot(backend_na
     def counted(self, buf, step, *deltas):
         repacked.append((self.words, len(buf)))
         return repack(self, buf, step, *deltas)
-    pipeline._ListSnapshot.repack = counted
+    pipeline._DecodeList.repack = counted
     try:
         for _ in range(4):
             step({}, ["a"])
     finally:
-        pipeline._ListSnapshot.repack = repack
+        pipeline._DecodeList.repack = repack
     # the first of these steps ships c's written ranges, and its snapshot is the next one's template; that
     # one is repacked into a slot shorter than the template
     assert any(words > size for words, size in repacked), repacked
