@@ -236,15 +236,16 @@ class StepPipeline:
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU time every step, and the slot is reused only later). A run whose
             # snapshot went in its launch leaves nothing that reads the slot: it is free again at once.
+            route = plan.route(words, graph)
             try:
-                part.ready = plan.run(m.backend.stream, step.mode, words, num_cells, entries, tokens, graph)
-                twin.copied = part.ready if plan.reads_slot(words, graph) else None
+                part.ready = plan.run(m.backend.stream, step.mode, words, num_cells, entries, tokens, graph, route)
+                twin.copied = part.ready if route.reads_slot else None
             except BaseException:
                 # A run that failed part-way may have enqueued what reads the slot (the copy, a launch whose
                 # ready record failed): the slot is not handed out again before the stream has run it.
                 twin.copied = _after_failure(m.backend)
                 raise
-            h2d_words += plan.h2d_words(words, graph)
+            h2d_words += route.h2d_words
         self.h2d_bytes_last_step = h2d_words * 4
         self._list = listed
 

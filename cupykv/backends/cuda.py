@@ -24,7 +24,7 @@ from ..kernels import (INLINE_STEP_KERNELS, MODULES, OPTIONS as KERNEL_OPTIONS, 
                        TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of,
                        module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
-from .plan import GraphBuckets, StepPlan
+from .plan import GraphBuckets, Route, StepPlan
 from .runs import run_table
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
@@ -424,9 +424,10 @@ class CudaStepPlan(StepPlan):
         self._graph_key = backend._graph_key_id((tuple(_address(b) for b in self._graph_buffers), self.capacity,
                                                  self.shared))
 
-    def _inline(self, words: int, graph: GraphBuckets) -> Optional[Tuple[int, PackedLaunch]]:
-        """The one rule for how a step travels: (struct words, launch) of the smallest inline kernel that
-        carries `words`, or None for a step that is copied from the slot (too large, or a graph replay).
+    def route(self, words: int, graph: GraphBuckets = None) -> Route:
+        """The one rule for how a step travels: the smallest inline kernel that carries `words` (its struct
+        is what goes to the device, and nothing reads the slot after the enqueue), or a copy from the slot
+        (too large, or a graph replay).
 
         With graphs (graph: the step's buckets), only the smallest inline kernel takes a step from its
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
@@ -436,24 +437,14 @@ class CudaStepPlan(StepPlan):
                    self._inlines[:1] if self.small_steps_inline_under_graphs else ())
         for inline in kernels:
             if words <= inline[0]:
-                return inline
-        return None
-
-    def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
-        """An inline launch takes its kernel's whole snapshot struct in its parameters, whatever the
-        snapshot's size."""
-        inline = self._inline(words, graph)
-        return inline[0] if inline is not None else super().h2d_words(words, graph)
-
-    def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
-        """An inline launch's snapshot is copied by the driver at enqueue: nothing reads the slot after it."""
-        return self._inline(words, graph) is None
+                return Route(inline, False, inline[0])
+        return super().route(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
-            graph: GraphBuckets = None) -> CudaEvent:
+            graph: GraphBuckets = None, route: Optional[Route] = None) -> CudaEvent:
         be = self.backend
         with DeviceScope(be.device_id):
-            inline = self._inline(words, graph)
+            inline = (route or self.route(words, graph)).launch
             if graph is None or inline is not None:
                 self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens, inline)
             else:
