@@ -173,7 +173,12 @@ class PrefixCaching(NoPrefixCaching):
             self.cache.unhash(g.index, drop[pool.refs[drop] == 0])
 
     def stats(self) -> dict:
-        return self.cache.stats()
+        """The cache's counters and, per group, its blocks (cached, evictable, evicted, on the host)."""
+        c = self.cache
+        return dict(queries=c.queries, query_tokens=c.query_tokens, hit_tokens=c.hit_tokens,
+                    groups=[dict(cached_blocks=len(table), evictable_blocks=pool.num_evictable,
+                                 evictions=pool.evictions, host_blocks=len(host))
+                            for table, pool, host in zip(c.by_hash, self.pools, c.host_by_hash)])
 
     def state(self) -> tuple:
         return self.cache.state()
