@@ -212,8 +212,8 @@ def main():
         census(lambda: decode_step(mgr, rids))
     if "--lines" in sys.argv:
         from line_profiler import LineProfiler
-        from cupykv import manager, pipeline, staging
-        lp = LineProfiler(manager.KVCacheManager._plan, manager.KVCacheManager._commit,
+        from cupykv import manager, pipeline, planner, staging
+        lp = LineProfiler(planner.StepPlanner.plan, manager.KVCacheManager._commit,
                           pipeline.StepPipeline._enqueue, staging.pack_snapshot)
         lp.enable()
         for _ in range(200):
