@@ -55,8 +55,9 @@ class NoPrefixCaching:
     def committed(self) -> None:
         pass
 
-    def settle(self, step, index: np.ndarray, rows: np.ndarray, hist: np.ndarray, acc: np.ndarray, reported) -> None:
-        pass
+    def settle(self, step, entries: Optional[np.ndarray], rows: np.ndarray, hist: np.ndarray, acc: np.ndarray,
+               reported) -> None:
+        """The step's live entries (None: all of them) settled: rows now hold hist tokens, acc accepted."""
 
     def end(self, row: int) -> None:
         pass
@@ -152,7 +153,9 @@ class PrefixCaching(NoPrefixCaching):
     def committed(self) -> None:
         self.cache.pending.clear()
 
-    def settle(self, step, index: np.ndarray, rows: np.ndarray, hist: np.ndarray, acc: np.ndarray, reported) -> None:
+    def settle(self, step, entries: Optional[np.ndarray], rows: np.ndarray, hist: np.ndarray, acc: np.ndarray,
+               reported) -> None:
+        index = np.arange(step.num_seqs) if entries is None else entries
         self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)
 
     def end(self, row: int) -> None:

@@ -56,7 +56,7 @@ class StepSettler:
             per_chunk = [held for held in per_chunk if len(held)]
             if per_chunk:
                 self.release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
-        self.prefix.settle(step, np.arange(step.num_seqs) if entries is None else entries, rows, hist, acc, reported)
+        self.prefix.settle(step, entries, rows, hist, acc, reported)
         self._release_stale(rows, hist, tag)
 
     def _release_stale(self, rows: np.ndarray, hist: np.ndarray, tag: int) -> None:
