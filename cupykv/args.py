@@ -13,7 +13,7 @@ from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
-from .errors import CupykvError, InvalidRequestError, UnknownRequestError
+from .errors import CupykvError, InvalidRequestError, InvalidSpecError, UnknownRequestError
 
 
 def is_count(value) -> bool:
@@ -280,3 +280,25 @@ def _in_batch_order(entries: np.ndarray, lists: List[list], counts: np.ndarray) 
     offsets = np.zeros(len(entries) + 1, np.int64)
     counts.cumsum(out=offsets[1:])
     return entries, offsets, list(itertools.chain.from_iterable(lists))
+
+
+STAGING_MODES = ("snapshot", "unsafe")
+
+
+def manager_options(*, staging, ring_slots, max_ring_slots, staging_timeout_s, max_steps_in_flight,
+                    debug_verify_mirror, use_graphs, steady_batch_delta) -> dict:
+    """KVCacheManager's keyword options, checked (InvalidSpecError naming the bad one) and normalised."""
+    if not isinstance(staging, str) or staging not in STAGING_MODES:
+        raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
+    ring_slots = as_count(ring_slots, "ring_slots", minimum=1, error=InvalidSpecError)
+    if (not isinstance(staging_timeout_s, (int, float, np.integer, np.floating)) or isinstance(staging_timeout_s, bool)
+            or not staging_timeout_s > 0):
+        raise InvalidSpecError(f"staging_timeout_s={staging_timeout_s!r}: must be a positive number of seconds")
+    return dict(staging=staging, ring_slots=ring_slots,
+                max_ring_slots=as_count(max_ring_slots, "max_ring_slots", minimum=ring_slots, error=InvalidSpecError),
+                staging_timeout_s=float(staging_timeout_s),
+                max_steps_in_flight=as_count(max_steps_in_flight, "max_steps_in_flight", minimum=1,
+                                             error=InvalidSpecError),
+                debug_verify_mirror=as_flag(debug_verify_mirror, "debug_verify_mirror", InvalidSpecError),
+                use_graphs=as_flag(use_graphs, "use_graphs", InvalidSpecError),
+                steady_batch_delta=as_flag(steady_batch_delta, "steady_batch_delta", InvalidSpecError))

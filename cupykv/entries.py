@@ -17,8 +17,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .layout import NO_INDEX
-
 NONE = -1        # the entry holds nothing the next step can use (a context's tables, or unknown)
 PADDING = -2     # a padding row of a fixed-size batch, written BAD
 
@@ -82,8 +80,3 @@ class EntryMap:
         entry_of[rows] = self._order[:n]
         self.held_end = max(self.held_end, live)
         return rebuilt, holder[live:self.held_end]
-
-    def unchanged(self, rows: np.ndarray, pad_to: int) -> Tuple[np.ndarray, np.ndarray]:
-        """advance() for a DELTA step whose batch is the previous step's very list (no contexts, the same
-        padding): nothing to rebuild, nothing moves."""
-        return NO_INDEX, self.holder[max(len(rows), pad_to):self.held_end]

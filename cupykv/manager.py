@@ -7,109 +7,47 @@
     ledger.StepLedger       step ids, in flight, unsettled, the finish watermark that lifts quarantine
     pipeline.StepPipeline   the per-step device work: snapshot, copy, deltas, tables, ready event
 
+    planner.StepPlanner     a step's plan: validation and what it needs, no state changed
+    prefix_hook             prefix caching (or its do-nothing hook), called at the same points either way
+
 Every public operation checks first and mutates after: when it raises a CupykvError, nothing changed.
-prepare_batch is plan (validate, count slots, take a ring slot; no state changes) then commit
-(allocate, write the table, launch; cannot fail on bad input after the plan).
+One step, in order:
+
+    prepare_batch   plan    StepPlanner.plan_in_room / plan: validate, count slots, take a ring slot
+                    commit  allocate (chunks, scratch, opened blocks), write the host table, pack the
+                            snapshot and launch the step's device work after the copies it needs
+                            (evicted blocks out, resumed KV in); cannot fail on bad input after the plan
+    (the consumer reads step.tables after step.ready, then step.finish(stream))
+    settle          history advances by the accepted tokens; rejected tokens rewound; the chunks' scratch
+                    and the blocks that left a window released (quarantined until the steps that may read
+                    them have finished); prefix caching publishes the blocks whose tokens are final
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .allocator import CachingSlotPool, SlotPool
-from .args import accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
+from .args import manager_options, accepted_counts, as_count, as_flag, context_items, generation_tokens, request_ids, salt_bytes, token_ids
 from .backends import make_backends
-from .errors import (CapacityExceededError, DuplicateRequestError, InvalidRequestError, InvalidSpecError,
-                     OutOfSlotsError, SpecTooLargeError, StepOrderError)
-from .entries import most_rebuilt
+from .errors import (CapacityExceededError, InvalidRequestError, InvalidSpecError, SpecTooLargeError,
+                     StepOrderError)
 from .layout import NO_INDEX, Layout
 from .ledger import StepLedger
 from .pipeline import StepPipeline, UnsafeStaging
+from .chunks import commit_chunks
+from .planner import Plan, StepPlanner
 from .prefix_cache import PrefixCache
+from .prefix_hook import NoPrefixCaching, PrefixCaching
 from .residence import Residence
-from .requests import GenBatch, Request, RequestId, RequestTable, frozen
+from .settler import StepSettler
+from .requests import Request, RequestId, RequestTable, frozen
 from .spec import INT32_MAX, CacheSpec
-from .staging import snapshot_words
 from .step import DeviceStep, Step
 from .table import PageTable
 
-STAGING_MODES = ("snapshot", "unsafe")
-# A settle clears a row's window release by slices (PageTable.take_blocks: a Python call for each such row,
-# logged as a range) from this many blocks on; shorter ones go as the cells of all rows in one vectorised
-# pass (slicing releases of 16-63 blocks row by row doubled a SHARED chunk's settle: docs/host_profile.md in git history).
-SLICE_MIN_BLOCKS = 64
 _NO_SLOTS = frozen(np.zeros(0, np.int32))
-
-
-def _expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-    """(row, block) pairs of the non-empty block ranges [lo, hi) of each row (hi > lo), rows in order."""
-    if len(rows) == 0:
-        return rows, lo
-    count = hi - lo
-    return _range_pairs(rows, lo, count, np.maximum.reduce(count))
-
-
-def _range_pairs(rows: np.ndarray, lo: np.ndarray, count: np.ndarray, longest):
-    """_expand_ranges of the ranges [lo, lo + count) (count >= 1; longest = count.max())."""
-    if longest == 1:                     # the decode case: one block per row
-        return rows, lo
-    # (methods rather than np.* functions: at these sizes the dispatch costs more than the work)
-    ends = count.cumsum()
-    return rows.repeat(count), lo.repeat(count) + (np.arange(int(ends[-1])) - (ends - count).repeat(count))
-
-
-class _ChunkSlots:
-    """One group's slots for a step's context chunks, laid out as chunk-by-chunk allocation would take
-    them: each chunk's own blocks, then its scratch slots. The own blocks are runs of table cells (the
-    scratch range lies inside the chunk's blocks and splits them)."""
-
-    __slots__ = ("count", "sizes", "starts", "lens", "offs", "scratch")
-
-    def __init__(self):
-        self.count = 0          # slots taken so far
-        self.sizes: List[int] = []      # per chunk: its slots
-        self.starts: List[int] = []     # per run: flat table index of its first cell,
-        self.lens: List[int] = []       # its length,
-        self.offs: List[int] = []       # and the position of its first slot among the group's
-        self.scratch: list = []         # (chunk, scratch lo, scratch hi, position of its first slot, slots)
-
-    def add(self, chunk: int, row_start: int, lo: int, hi: int, s_lo: int, s_hi: int, scratch_slots: int) -> None:
-        first = self.count
-        for a, b in (((lo, s_lo), (s_hi, hi)) if s_lo < s_hi else ((lo, hi),)):
-            if b > a:
-                self.starts.append(row_start + a)
-                self.lens.append(b - a)
-                self.offs.append(self.count)
-                self.count += b - a
-        if scratch_slots:
-            self.scratch.append((chunk, s_lo, s_hi, self.count, scratch_slots))
-            self.count += scratch_slots
-        self.sizes.append(self.count - first)
-
-
-@dataclass
-class _Plan:
-    """What a validated step needs; made by _plan without changing any state."""
-    ctx_ids: list
-    ctx_rows: List[int]
-    ctx_tokens: List[int]
-    ctx_slots: List[_ChunkSlots]       # per group
-    gen_ids: list
-    gen: Optional[GenBatch]
-    gen_cap: np.ndarray                # capacity of each generation entry before this step
-    gen_end: np.ndarray                # and after it (gen_cap + k)
-    gen_longest: int                   # gen_end's largest (0 without generation entries)
-    new_rows: np.ndarray               # (row, block) pairs the generation tokens open
-    new_blocks: np.ndarray
-    gen_room: int                      # a pure decode step: the list's room after it (GenBatch.room), or -1
-    gen_known: bool                    # a pure decode step knew the list's capacities (GenBatch.knows)
-    gen_phased: bool                   # and took its openings from the list's phase order
-    k: int
-    scratch_width: int
-    pad_to: int
-    ring_slot: object
 
 
 class KVCacheManager:
@@ -145,25 +83,16 @@ class KVCacheManager:
                  steady_batch_delta: bool = True, devices: Optional[Sequence[int]] = None):
         if not isinstance(spec, CacheSpec):
             raise InvalidSpecError(f"spec={spec!r}: needs a cupykv.CacheSpec")
-        if not isinstance(staging, str) or staging not in STAGING_MODES:
-            raise InvalidSpecError(f"staging={staging!r}: must be one of {STAGING_MODES}")
-        ring_slots = as_count(ring_slots, "ring_slots", minimum=1, error=InvalidSpecError)
-        max_ring_slots = as_count(max_ring_slots, "max_ring_slots", minimum=ring_slots, error=InvalidSpecError)
-        self.max_steps_in_flight = as_count(max_steps_in_flight, "max_steps_in_flight", minimum=1,
-                                            error=InvalidSpecError)
-        if (not isinstance(staging_timeout_s, (int, float, np.integer, np.floating)) or isinstance(staging_timeout_s, bool)
-                or not staging_timeout_s > 0):
-            raise InvalidSpecError(f"staging_timeout_s={staging_timeout_s!r}: must be a positive number of seconds")
-        debug_verify_mirror = as_flag(debug_verify_mirror, "debug_verify_mirror", InvalidSpecError)
-        use_graphs = as_flag(use_graphs, "use_graphs", InvalidSpecError)
-        steady_batch_delta = as_flag(steady_batch_delta, "steady_batch_delta", InvalidSpecError)
+        o = manager_options(staging=staging, ring_slots=ring_slots, max_ring_slots=max_ring_slots,
+                            staging_timeout_s=staging_timeout_s, max_steps_in_flight=max_steps_in_flight,
+                            debug_verify_mirror=debug_verify_mirror, use_graphs=use_graphs,
+                            steady_batch_delta=steady_batch_delta)
         self.spec = spec
         self.layout = lay = Layout(spec)
         self.backends = make_backends(backend, devices)
         self.backend = be = self.backends[0]
         self.devices = [getattr(b, "device_id", 0) for b in self.backends]
-        self.staging = staging
-        self.debug_verify_mirror = debug_verify_mirror
+        self.staging, self.debug_verify_mirror = o["staging"], o["debug_verify_mirror"]
         P, rows, B = lay.num_groups, spec.max_batch, lay.max_blocks
         if P * rows * B > INT32_MAX:     # the snapshot ships flat table indices as int32
             raise InvalidSpecError(f"CacheSpec: groups x max_batch x max_blocks = {P * rows * B} table cells; "
@@ -174,26 +103,23 @@ class KVCacheManager:
             self.cache = (PrefixCache(lay, self.pools, spec.prefix_retention, spec.prefix_events)
                           if spec.prefix_caching else None)
             self.page_table = PageTable(be, P, rows, B)
-            self.ledger = StepLedger(self.pools, float(staging_timeout_s))
+            self.ledger = StepLedger(self.pools, o["staging_timeout_s"])
             self.requests = RequestTable(rows, P, np.array([g.sink_blocks for g in lay.groups], np.int64),
-                                         lambda: self.ledger.unsettled)
-            options = dict(ring_slots=ring_slots, max_ring_slots=max_ring_slots,
-                           timeout_s=float(staging_timeout_s), use_graphs=use_graphs,
-                           steady_batch_delta=steady_batch_delta)
-            self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if staging == "unsafe"
+                                         self.ledger)
+            options = dict(ring_slots=o["ring_slots"], max_ring_slots=o["max_ring_slots"],
+                           timeout_s=o["staging_timeout_s"], use_graphs=o["use_graphs"],
+                           steady_batch_delta=o["steady_batch_delta"])
+            self.pipeline = (UnsafeStaging(lay, self.backends, self.page_table, **options) if self.staging == "unsafe"
                              else StepPipeline(lay, self.backends, **options))
         except MemoryError as e:
-            raise SpecTooLargeError(
-                f"the buffers this CacheSpec sizes do not fit ({e}): the page table and the outputs grow with "
-                f"max_batch={spec.max_batch} x (max_seq_len={spec.max_seq_len} + max_rewind={spec.max_rewind}) / "
-                f"tokens_per_block, the write positions with num_layers={spec.num_layers} x max_step_tokens="
-                f"{spec.step_token_capacity}" + ("" if spec.max_step_tokens is not None else
-                                                 " (by default 8192 + max_batch x (1 + max_rewind))")) from e
-        self._windowed = [g for g in lay.groups if not g.keeps_every_block]
-        self.host_tier = None           # a KVStorage's HostTier registers itself here (free, stats)
+            raise SpecTooLargeError(f"the buffers this CacheSpec sizes do not fit ({e}): {spec.buffer_sizes()}") from e
+        self.prefix = (NoPrefixCaching(lay, self.requests, self.page_table, self.pools) if self.cache is None else
+                       PrefixCaching(lay, self.requests, self.page_table, self.pools, self.ledger, self.cache))
+        self.planner = StepPlanner(spec, lay, self.requests, self.ledger, self.page_table, self.pools,
+                                   self.pipeline, self.prefix, o["max_steps_in_flight"])
+        self.settler = StepSettler(spec, lay, self.requests, self.page_table, self.pools, self.ledger, self.prefix)
+        self.host_tier = None           # a KVStorage's host tier, once attach_host_tier registered it
         self.residence = Residence(self)
-        self._scratch_held = [0] * P
-        self._no_chunks = [_ChunkSlots() for _ in range(P)]     # a step without contexts (never added to)
         # Scratch metadata of a step without contexts (shared by those steps, so read-only).
         self._no_scratch = (frozen(np.zeros((P, 0), np.int32)), frozen(np.zeros((P, 0), np.int32)),
                             frozen(np.zeros((P, 0, 0), np.int32)))
@@ -234,14 +160,14 @@ class KVCacheManager:
         of tokens_per_block, less than prompt_len): the request starts with that history, its cached
         blocks already in its table rows, and its first context chunk starts there. 0 without caching.
         """
-        reqs, cache = self.requests, self.cache
+        reqs = self.requests
         reqs.check_new(rid)
         n = as_count(prompt_len, f"request {rid!r}: prompt_len", minimum=1)
         if n > self.spec.max_seq_len:
             raise CapacityExceededError(f"request {rid!r}: prompt_len={n} exceeds max_seq_len={self.spec.max_seq_len}")
         if not reqs.free_rows:
             raise CapacityExceededError(f"request {rid!r}: all max_batch={self.spec.max_batch} rows are in use")
-        if cache is not None and tokens is None:
+        if self.cache is not None and tokens is None:
             raise InvalidRequestError(f"request {rid!r}: prefix caching is on, so add() needs tokens= "
                                       f"(the prompt's {n} token ids)")
         toks = None if tokens is None else token_ids(tokens, f"request {rid!r}: tokens", n)
@@ -250,49 +176,7 @@ class KVCacheManager:
                 or getattr(checkpoints, "ndim", 1) != 1):
             raise InvalidRequestError(f"request {rid!r}: checkpoints={checkpoints!r} must be prompt positions")
         marks = sorted({as_count(c, f"request {rid!r}: checkpoint", minimum=1, maximum=n) for c in checkpoints})
-        if cache is None:
-            reqs.add(rid, n)
-            return 0
-        seq = cache.new_seq(toks, salt, [n, *marks])
-        hit, hits = cache.lookup(seq.hashes, n)
-        if cache.host is not None and any(on_host.any() for _, _, on_host in hits):
-            self.ledger.poll()          # finished steps' slots count as room for the host blocks
-            # the longest hit whose host blocks fit (a shorter lookup prefers device copies; one with no
-            # host block always fits)
-            while hit and not self._room_for_host_hits(hits):
-                hit, hits = cache.lookup(seq.hashes, hit * self.layout.tpb)
-        # -- nothing has changed so far --
-        row = reqs.add(rid, n).row
-        reqs.hist[row] = cached = hit * self.layout.tpb
-        reqs.set_capacity(row, cached)
-        for g, (hit_blocks, hit_slots, on_host) in zip(self.layout.groups, hits):
-            some_on_host = on_host.any()
-            blocks, slots = (hit_blocks[~on_host], hit_slots[~on_host]) if some_on_host else (hit_blocks, hit_slots)
-            if len(blocks):
-                self.pools[g.index].acquire(slots)
-                self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
-                if cache.still_arriving(g.index, slots):     # an earlier hit's copy back: wait for it too
-                    reqs.loading[row] = cache.last_copy_in
-            # (one event per row: the tier copies on one stream, so a group's later event covers an earlier one)
-            if some_on_host:        # copied back into fresh slots; the request's first step waits for the copy
-                blocks, host_slots = hit_blocks[on_host], hit_slots[on_host]
-                slots, reqs.loading[row] = cache.bring_back(g.index, [seq.hashes[b] for b in blocks.tolist()],
-                                                            host_slots.tolist(), self.pools[g.index].allocate)
-                self.page_table.write(self.page_table.cells(g.index, row, blocks), slots)
-            reqs.stale_done[g.index, row] = max(g.sink_blocks, min(int(g.stale_end(cached)), hit))
-        seq.hit_blocks = hit
-        cache.begin(row, seq)
-        cache.queries, cache.query_tokens, cache.hit_tokens = cache.queries + 1, cache.query_tokens + n, cache.hit_tokens + cached
-        return cached
-
-    def _room_for_host_hits(self, hits) -> bool:
-        """Every group can allocate a slot for each hit host block, after the hit device blocks were taken
-        back from the evictable list. hits: per group (blocks, slots, on_host), as PrefixCache.lookup."""
-        for pool, (_, slots, on_host) in zip(self.pools, hits):
-            n = int(np.count_nonzero(on_host))
-            if n and n > pool.num_available - pool.count_evictable(slots[~on_host]):
-                return False
-        return True
+        return self.prefix.admit(rid, n, toks, salt, marks)
 
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
@@ -300,15 +184,21 @@ class KVCacheManager:
         loading = self.requests.loading.get(req.row)
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
-        if self.cache is not None:      # every cached block it holds keeps its hash: its last window
-            self.cache.end(req.row, self.page_table.array)
+        self.prefix.end(req.row)        # with caching, every cached block it holds keeps its hash
         self.residence.release_row(req.row, tag)
         for slots in req.scratch.values():
-            self._release_scratch(slots, tag)
+            self.settler.release_scratch(slots, tag)
         req.scratch.clear()
         if self.host_tier is not None:
             self.host_tier.forget(rid)
         self.requests.remove(rid)
+
+    def attach_host_tier(self, tier) -> None:
+        """Register a KVStorage's host tier (one per manager): free() lets go of a request's host copy, and
+        stats() and state() include the tier's."""
+        if self.host_tier is not None:
+            raise InvalidRequestError("this manager already has a host tier (one KVStorage with host_tier_bytes)")
+        self.host_tier = tier
 
     def can_add(self) -> bool:
         """Whether add() has a free table row for one more request now (max_batch rows; freeing a request
@@ -357,150 +247,31 @@ class KVCacheManager:
         gen_ids = request_ids(generation)
         k = as_count(num_gen_tokens, "num_gen_tokens", minimum=1, maximum=self.spec.max_seq_len)
         pad = None if pad_to is None else as_count(pad_to, "pad_to")   # its range once the entries are known
-        reqs = self.requests
+        reqs, planner = self.requests, self.planner
         gen = reqs.last_generation
         in_room = not ctx_items and gen is not None and gen.has_room(k, reqs.cap_writes)   # (never at b256)
-        plan = self._plan_in_room(gen, gen_ids, k, pad) if in_room else None
-        return self._commit(plan if plan is not None else self._plan(ctx_items, gen_ids, k, pad))
+        plan = planner.plan_in_room(gen, gen_ids, k, pad) if in_room else None
+        return self._commit(plan if plan is not None else planner.plan(ctx_items, gen_ids, k, pad))
 
-    def _plan_in_room(self, gen: GenBatch, gen_ids: list, k: int, pad_to: Optional[int]) -> Optional[_Plan]:
-        """The plan of a decode step of the last validated list `gen`, whose room holds k tokens an entry
-        (GenBatch.has_room: no entry opens a block or passes max_seq_len): most steps of a small batch. Such
-        a step takes no slot, so it needs none of _plan's counting. None when gen_ids are not that list, and
-        for a step that _plan would refuse (it raises the error) or whose in-flight steps it would wait for.
-        pad_to: None (no padding) or a count."""
-        reqs, ledger, spec = self.requests, self.ledger, self.spec
-        latest = ledger.latest
-        if (not gen.matches(gen_ids, reqs.moves) or (latest is not None and not latest.is_finished())
-                or ledger.num_steps_in_flight() >= self.max_steps_in_flight):
-            return None
-        n = len(gen.rows)
-        live = n if pad_to is None else pad_to      # (an explicit pad_to of 0 is out of range: _plan says so)
-        if not n <= live <= spec.max_batch or k * n > spec.step_token_capacity:
-            return None
-        cap = reqs.cap[gen.rows]
-        words = self._snapshot_bound(n, 0, 0, self.page_table.num_logged(), live)
-        return _Plan([], [], [], self._no_chunks, gen_ids, gen, cap, cap + gen.tokens_for(k), gen.longest + k,
-                     NO_INDEX, NO_INDEX, gen.room - k, True, False, k, 0, 0 if pad_to is None else pad_to,
-                     self.pipeline.acquire(words))
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Prepared steps whose finish event has not completed, at most (see the class docstring)."""
+        return self.planner.max_steps_in_flight
 
-    def _snapshot_bound(self, num_seqs: int, num_contexts: int, scratch_width: int, cells: int, live: int) -> int:
-        """The most words a step's snapshot can take: every changed cell a run of its own, the most entries
-        a DELTA step rebuilds, every entry past the `live` ones (the batch and its padding) held."""
-        return snapshot_words(num_seqs, num_contexts, self.layout.num_groups, scratch_width, cells, cells,
-                              most_rebuilt(live), self.spec.max_batch - live)
+    @max_steps_in_flight.setter
+    def max_steps_in_flight(self, n: int) -> None:
+        self.planner.max_steps_in_flight = as_count(n, "max_steps_in_flight", minimum=1, error=InvalidSpecError)
 
-    def _plan(self, ctx_items: list, gen_ids: list, k: int, pad_to: Optional[int]) -> _Plan:
-        """Validate a step and work out what it needs; changes no state but the validated-list cache.
-        pad_to: None (no padding) or a count, checked against the batch after its ids are."""
-        spec, lay, reqs, ledger = self.spec, self.layout, self.requests, self.ledger
-        if ledger.latest is not None and not ledger.latest.is_finished():
-            latest = ledger.latest
-            where = f" on device(s) {latest.unfinished_ranks()}" if len(latest.parts) > 1 else ""
-            raise StepOrderError(f"step {latest.id} is not finished{where}: call step.finish(stream) "
-                                 "(step.on(rank).finish(stream) per device) after its consumer's last read, "
-                                 "before preparing the next step (the next step overwrites its tables)")
-        ctx_rows, ctx_tokens = [], []
-        ctx_slots = [_ChunkSlots() for _ in lay.groups] if ctx_items else self._no_chunks
-        ctx_cells = M = 0
-        row_start = self.page_table.row_start
-        for rid, n in ctx_items:          # few per step, checked one by one
-            row = reqs.get(rid).row
-            if reqs.suspended[row]:
-                raise InvalidRequestError(f"request {rid!r} is suspended: resume it before scheduling it")
-            if row in ctx_rows:
-                raise DuplicateRequestError(f"request {rid!r} appears twice in one step")
-            n = as_count(n, f"request {rid!r}: context chunk", minimum=1, maximum=spec.max_seq_len)
-            old, prompt = int(reqs.cap[row]), int(reqs.prompt[row])
-            if old + n > prompt:
-                raise InvalidRequestError(f"request {rid!r}: chunk of {n} tokens goes past its prompt "
-                                          f"({old} of {prompt} already scheduled)")
-            for g, chunks in zip(lay.groups, ctx_slots):
-                lo, hi = g.new_blocks(old, old + n)
-                # with prefix caching, retained windows are kept out of the scratch range
-                s_lo, s_hi = (g.scratch_range(old, old + n) if self.cache is None
-                              else self.cache.scratch_range(g, row, old, old + n))
-                sc = g.scratch_slots_needed(s_hi - s_lo)
-                chunks.add(len(ctx_rows), row_start(g.index, row), lo, hi, s_lo, s_hi, sc)
-                ctx_cells += hi - lo
-                M = max(M, sc)
-            ctx_rows.append(row)
-            ctx_tokens.append(n)
-        gen = reqs.generation_batch(gen_ids, ctx_rows)
-        gen_rows = gen.rows if gen is not None else NO_INDEX
-        if pad_to is None:
-            pad_to = 0
-        elif not len(ctx_rows) + len(gen_rows) <= pad_to <= spec.max_batch:
-            raise InvalidRequestError(f"pad_to={pad_to} must be in [{len(ctx_rows) + len(gen_rows)}, "
-                                      f"{spec.max_batch}] (the step's entries, max_batch)")
-        cap = reqs.cap[gen_rows]
-        end = cap + k
-        # Within the list's room no entry opens a block or passes max_seq_len (GenBatch.room). A batch whose
-        # entries take a block's worth of tokens a step or more nearly always has one at a block's end, and so
-        # no room: only smaller ones keep it (working it out costs a few numpy operations).
-        decode = gen is not None and not ctx_rows
-        known = decode and gen.knows(reqs.cap_writes)
-        keeps_room = decode and len(gen_rows) * k < lay.tpb
-        longest = gen.longest + k if known else (int(np.maximum.reduce(end)) if len(end) else 0)
-        if longest > spec.max_seq_len:
-            i = int(np.argmax(end > spec.max_seq_len))
-            raise CapacityExceededError(f"request {gen_ids[i]!r}: {cap[i]} + {k} tokens exceeds "
-                                        f"max_seq_len={spec.max_seq_len}")
-        total_tokens = sum(ctx_tokens) + k * len(gen_rows)
-        if total_tokens > spec.step_token_capacity:
-            raise CapacityExceededError(f"the step schedules {total_tokens} tokens; max_step_tokens="
-                                        f"{spec.step_token_capacity}")
-        # The blocks the generation tokens open: the same in every group (generation is never scratch).
-        # (A step within the list's room opens none: _plan_in_room planned it.)
-        g = lay.groups[0]
-        phased = gen.openings(k, cap, g) if known and not keeps_room else None
-        if phased is not None:      # k divides tpb: at most one block an entry, every tpb / k steps
-            opened, new_rows = phased
-            new_blocks = g.new_blocks(cap[opened], 0)[0] if len(opened) else NO_INDEX
-        else:
-            lo, hi = g.new_blocks(cap, end)
-            opened = (hi > lo).nonzero()[0]
-            if not len(opened):         # most decode steps open no block: skip the gathers
-                new_rows = new_blocks = NO_INDEX
-            elif k <= lay.tpb:          # k tokens open at most ceil(k / tpb) blocks an entry: one each here
-                new_rows, new_blocks = gen_rows[opened], lo[opened]
-            else:
-                new_rows, new_blocks = _expand_ranges(gen_rows[opened], lo[opened], hi[opened])
-        room = min(int(g.block_room(end).min()), spec.max_seq_len - longest) if keeps_room else -1
-        if len(new_rows) or ctx_rows:       # a step that takes no slot needs no count
-            need = [len(new_rows) + chunks.count for chunks in ctx_slots]
-            for p, pool in enumerate(self.pools):
-                # the free list alone answers the common case; available() also counts lifted quarantine
-                if need[p] > pool.num_available and need[p] > ledger.available(p):
-                    ledger.wait_for_slots(p, need[p])
-                    if need[p] > ledger.available(p):
-                        raise OutOfSlotsError(
-                            f"group {p} (window={lay.groups[p].window}) needs {need[p]} slots for this step; "
-                            f"{ledger.available(p)} free, {pool.num_quarantined - ledger.lifted(p)} quarantined "
-                            "by unfinished steps")
-        if ledger.num_steps_in_flight() >= self.max_steps_in_flight:
-            # the oldest finish events complete by themselves on a GPU (a host backend runs its queued work
-            # when waited on): wait for them as for slots, and fail only if they do not complete in time
-            if not ledger.wait_for_in_flight(self.max_steps_in_flight):
-                raise StepOrderError(f"{ledger.num_steps_in_flight()} steps are in flight (max_steps_in_flight="
-                                     f"{self.max_steps_in_flight}); the oldest finish events did not complete "
-                                     f"within staging_timeout_s={ledger.timeout_s}")
-        cells = self.page_table.num_logged() + lay.num_groups * len(new_rows) + ctx_cells
-        # the entries a DELTA step rebuilds, and those held past the batch (at most all the others)
-        words = self._snapshot_bound(len(ctx_rows) + len(gen_rows), len(ctx_rows), M, cells,
-                                     max(len(ctx_rows) + len(gen_rows), pad_to))
-        return _Plan([rid for rid, _ in ctx_items] if ctx_items else [], ctx_rows, ctx_tokens, ctx_slots, gen_ids,
-                     gen, cap, end, longest, new_rows, new_blocks, room, known, phased is not None, k, M, pad_to,
-                     self.pipeline.acquire(words))
-
-    def _commit(self, plan: _Plan) -> Step:
+    def _commit(self, plan: Plan) -> Step:
         """Allocate, write the host table, pack the snapshot and enqueue; cannot fail on bad input."""
         reqs, ledger, table = self.requests, self.ledger, self.page_table
         ledger.poll()
         step_id = ledger.next_id
         gen, k = plan.gen, plan.k
         if plan.ctx_rows:
-            begs, ends, scratch = self._commit_contexts(plan, step_id)
+            for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
+                self.prefix.chunk_end(row, int(reqs.cap[row]) + n)
+            begs, ends, scratch = commit_chunks(plan, step_id, table, self.pools, reqs)
         else:
             begs, ends, scratch = self._no_scratch
         if len(plan.new_rows):
@@ -521,12 +292,13 @@ class KVCacheManager:
         reqs.last_scheduled[rows] = step_id
         ids = plan.ctx_ids + plan.gen_ids if plan.ctx_ids else plan.gen_ids
         step = Step(step_id, ids, rows32, incarnations, tokens, starts, len(plan.ctx_rows), layout=self.layout,
-                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows)
+                    owner=self, pad_to=plan.pad_to, moves=reqs.moves, index_rows=rows,
+                    list_key=(gen.serial, k, plan.pad_to) if gen is not None and not plan.ctx_rows else None)
         step.scratch_begs, step.scratch_ends, step.scratch_slots = begs, ends, scratch
         cells, cleared, written = table.logged()
         # Our writes come after the previous consumer's reads (the pipeline waits for those per device),
         # and after the copy back of any resumed KV.
-        after = self.cache.spill_events() if self.cache is not None else []   # evicted blocks copied out first
+        after = self.prefix.copies_before()
         loading = set(rows.tolist()) & reqs.loading.keys() if reqs.loading else ()
         if loading:
             after += [reqs.loading[r] for r in loading]
@@ -536,48 +308,11 @@ class KVCacheManager:
         table.clear_log()
         for r in loading:          # waited for by this step, so by every later one (stream order)
             del reqs.loading[r]
-        if self.cache is not None:
-            self.cache.pending.clear()
+        self.prefix.committed()
         ledger.record(step)
         if self.debug_verify_mirror:        # after the step is registered: a failed check leaves it usable
             self.pipeline.verify_mirror(table)
         return step
-
-    def _commit_contexts(self, plan: _Plan, step_id: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Own slots and scratch slots of the step's context chunks (at least one); returns the scratch
-        metadata."""
-        lay, table, C = self.layout, self.page_table, len(plan.ctx_rows)
-        if self.cache is not None:        # a chunk's end is a boundary whose window stays cached
-            for row, n in zip(plan.ctx_rows, plan.ctx_tokens):
-                self.cache.add_boundary(row, int(self.requests.cap[row]) + n)
-        begs = np.zeros((lay.num_groups, C), np.int32)
-        ends = np.zeros((lay.num_groups, C), np.int32)
-        scratch = np.zeros((lay.num_groups, C, plan.scratch_width), np.int32)
-        held = {}       # chunk -> its scratch slots per group (chunks that borrow any)
-        for p, (chunks, slots) in enumerate(zip(plan.ctx_slots, self._allocate_chunks(plan.ctx_slots))):
-            table.write_runs(chunks.starts, chunks.lens, slots, chunks.offs)
-            for c, s_lo, s_hi, o, n in chunks.scratch:
-                if c not in held:
-                    held[c] = [_NO_SLOTS] * lay.num_groups
-                held[c][p] = slots[o:o + n]
-                begs[p, c], ends[p, c] = s_lo, s_hi
-                scratch[p, c, :n] = held[c][p]
-                self._scratch_held[p] += n
-        for c, per_group in held.items():
-            self.requests.get(plan.ctx_ids[c]).scratch[step_id] = per_group
-        return begs, ends, scratch
-
-    def _allocate_chunks(self, per_group: List[_ChunkSlots]) -> List[np.ndarray]:
-        """Each group's slots for the chunks, as allocating them chunk by chunk (each chunk group by group)
-        gives: one allocation per group unless some group would evict cached blocks, whose evictions are
-        reported (cache events, copies out) in that order."""
-        if all(chunks.count <= pool.num_free for chunks, pool in zip(per_group, self.pools)):
-            return [pool.allocate(chunks.count) for chunks, pool in zip(per_group, self.pools)]
-        parts = [[] for _ in per_group]
-        for c in range(len(per_group[0].sizes)):
-            for p, chunks in enumerate(per_group):
-                parts[p].append(self.pools[p].allocate(chunks.sizes[c]))
-        return [np.concatenate(slots) for slots in parts]
 
     def _allocate_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """A slot of every group for each (row, block) (at least one): one table write for all groups."""
@@ -610,7 +345,7 @@ class KVCacheManager:
             if input_tokens is not None:
                 raise InvalidRequestError("settle: give input_tokens= (new_tokens= is its former name), not both")
             input_tokens = new_tokens
-        reqs, ledger = self.requests, self.ledger
+        ledger = self.ledger
         if isinstance(step, DeviceStep):
             raise StepOrderError(f"settle takes the Step (step {step.id} as prepare_batch returned it), not "
                                  f"step.on({step.rank}): the tokens are settled once for every device")
@@ -623,92 +358,9 @@ class KVCacheManager:
                                  f"{ledger.unsettled[0].id} comes before {step.id}")
         acc = accepted_counts(accepted, step.request_ids, step.num_tokens, step.num_contexts, step.id)
         reported = generation_tokens(input_tokens, step.request_ids, acc, step.num_contexts, step.id)
-        rows, tokens, entries = step.index_rows, step.num_tokens, None
-        live = range(step.num_contexts)     # the live contexts
-        if step.moves != reqs.moves:        # a request moved since the prepare: skip entries no longer live
-            entries = np.flatnonzero(reqs.incarnation[rows] == step.incarnations)
-            rows, acc, tokens = rows[entries], acc[entries], tokens[entries]
-            live = entries[entries < step.num_contexts]
-        rejected = tokens - acc if accepted is not None else None
-        rewinds = np.flatnonzero(rejected) if rejected is not None else ()
-        for i in rewinds:
-            rid = step.request_ids[i if entries is None else entries[i]]
-            if rejected[i] > self.spec.max_rewind:
-                raise CapacityExceededError(f"request {rid!r}: rejecting {rejected[i]} tokens exceeds "
-                                            f"max_rewind={self.spec.max_rewind}")
-            if reqs.last_scheduled[rows[i]] != step.id:
-                raise StepOrderError(f"request {rid!r}: cannot reject tokens of step {step.id}: a later step "
-                                     f"{reqs.last_scheduled[rows[i]]} already scheduled it")
-        tag = ledger.last_prepared
-        hist = reqs.hist[rows] + acc
-        reqs.hist[rows] = hist
-        for i in rewinds:
-            cap, row = int(reqs.cap[rows[i]]), int(rows[i])
-            reqs.set_capacity(row, cap - rejected[i])
-            for g in self.layout.groups:
-                lo, hi = g.rewind_blocks(cap, int(rejected[i]))
-                self._release(g.index, self.page_table.cells(g.index, row, np.arange(lo, hi)), tag)
-        # the chunks' scratch slots, one release per group (in chunk order, as releases one by one would)
-        if len(live):
-            per_chunk = [reqs.get(step.request_ids[i]).scratch.pop(step.id, ()) for i in live]
-            per_chunk = [held for held in per_chunk if len(held)]
-            if per_chunk:
-                self._release_scratch([np.concatenate(held) for held in zip(*per_chunk)], tag)
-        if self.cache is not None:
-            index = np.arange(step.num_seqs) if entries is None else entries
-            self.cache.settle(step.rows, index, step.num_contexts, rows, hist, acc, reported, self.page_table.array)
-        self._release_stale(rows, hist, tag)
+        self.settler.settle(step, acc, reported, accepted is not None)
         step.settled = True
         ledger.unsettled.pop(0)
-
-    def _release_stale(self, rows: np.ndarray, hist: np.ndarray, tag: int) -> None:
-        """Release the SWA blocks that fell out of the window now that `rows` have `hist` tokens settled:
-        per row and group [stale_done, stale_end). Only rows whose stale end crossed a block boundary this
-        step release anything; stale_done starts at the sink blocks."""
-        for g in self._windowed:
-            end = g.stale_end(hist)
-            stale_done = self.requests.stale_done[g.index]      # (a row view, then a gather: cheaper than a 2-D one)
-            done = stale_done[rows]
-            moved = (end > done).nonzero()[0]
-            if len(moved):
-                r, lo, hi = rows[moved], done[moved], end[moved]
-                count = hi - lo
-                longest = np.maximum.reduce(count)      # (the ufunc: .max() wraps it in Python)
-                if self.cache is None:
-                    # A long chunk's settle clears each long range as one (a decode step's rows release a block
-                    # or two), unless the group reuses scratch: then most of such a range is scratch blocks that
-                    # never held a slot, and cells cost less.
-                    if longest >= SLICE_MIN_BLOCKS and not g.scratch_reuse:
-                        whole = count >= SLICE_MIN_BLOCKS
-                        for row, a, b in zip(r[whole].tolist(), lo[whole].tolist(), hi[whole].tolist()):
-                            self.pools[g.index].release(self.page_table.take_blocks(g.index, row, a, b), tag)
-                        part = ~whole
-                        pair_rows, blocks = _expand_ranges(r[part], lo[part], hi[part])
-                    else:
-                        pair_rows, blocks = _range_pairs(r, lo, count, longest)
-                    self._release(g.index, self.page_table.cells(g.index, pair_rows, blocks), tag)
-                else:       # blocks outside every retained window leave the cache once nobody holds them
-                    pair_rows, blocks = _range_pairs(r, lo, count, longest)
-                    cells = self.page_table.cells(g.index, pair_rows, blocks)
-                    drop = self.cache.leaving(g, r.tolist(), count.cumsum().tolist(), blocks.tolist(),
-                                              self.page_table.flat[cells].tolist())   # each row's blocks in order
-                    self._release(g.index, cells, tag)
-                    if drop:
-                        drop = np.array(drop, np.int32)
-                        self.cache.unhash(g.index, drop[self.pools[g.index].refs[drop] == 0])
-                stale_done[r] = hi
-
-    # -- slots -------------------------------------------------------------------------------------
-    def _release(self, p: int, cells: np.ndarray, tag: int) -> None:
-        """Let go of the slots held at these flat cells of group p and clear the cells; slots left with no
-        holder are quarantined."""
-        _, slots = self.page_table.take(cells)
-        self.pools[p].release(slots, tag)
-
-    def _release_scratch(self, per_group: Sequence[np.ndarray], tag: int) -> None:
-        for p, slots in enumerate(per_group):
-            self.pools[p].release(slots, tag)
-            self._scratch_held[p] -= len(slots)
 
     # -- completion --------------------------------------------------------------------------------
     def reclaim(self, wait: bool = False) -> None:
@@ -736,15 +388,16 @@ class KVCacheManager:
         (their own stats, or None when off)."""
         self.ledger.poll()
         groups = []
+        held = self.requests.scratch_held(self.layout.num_groups)
         for g, pool in zip(self.layout.groups, self.pools):
-            scratch = self._scratch_held[g.index]
+            scratch = held[g.index]
             owned = pool.total - pool.num_free - pool.num_quarantined - pool.num_evictable - scratch
             groups.append(dict(window=g.window, layers=g.num_layers, total=pool.total, free=pool.num_free,
                                owned=owned, scratch=scratch, quarantined=pool.num_quarantined,
                                evictable=pool.num_evictable))
         return dict(groups=groups, requests=len(self.requests), steps_in_flight=len(self.ledger.steps_in_flight()),
                     steps_unsettled=len(self.ledger.unsettled), ring_slots=len(self.ring.slots),
-                    prefix_cache=self.cache.stats() if self.cache is not None else None,
+                    prefix_cache=self.prefix.stats(),
                     host_tier=self.host_tier.stats() if self.host_tier is not None else None)
 
     def drain_cache_events(self) -> List[Tuple[str, int, bytes]]:
@@ -763,5 +416,5 @@ class KVCacheManager:
     def state(self) -> tuple:
         """A comparable snapshot of every piece of host state (tests compare it around failing calls)."""
         return (self.page_table.state(), self.requests.state(), tuple(p.state() for p in self.pools),
-                self.ledger.state(), tuple(self._scratch_held), self.cache.state() if self.cache else None,
+                self.ledger.state(), self.requests.scratch_held(self.layout.num_groups), self.prefix.state(),
                 self.host_tier.state() if self.host_tier else None, tuple(sorted(self.requests.loading)))

@@ -57,25 +57,27 @@ def _after_failure(backend):
         return _NeverDone()
 
 
-class _ListSnapshot:
-    """The snapshot of a DELTA step of a generation list that rebuilt no entry. The next step of the very
-    same list (the same validated rows and token counts, the same padding) rebuilds none either
-    (EntryMap.unchanged), so its snapshot's list part is this one's but for its id and start positions; it
-    copies this one, writes those two, and packs only its own table deltas (staging.pack_runs) unless it
-    has none and this one had none either (a quiet step). The pipeline owns it and drops it at every launch
-    (_enqueue keeps it, or makes a new one, only for such a step)."""
+class _DecodeList:
+    """What the steps of one decode list reuse (Step.list_key: the same validated rows, tokens per entry and
+    padding). The pipeline keeps one, of the last step, and drops it at every launch that is not of its
+    key (StepPipeline._enqueue: its one invalidation point).
 
-    __slots__ = ("host", "words", "list_words", "rows", "tokens", "pad_to", "_starts")
+    cu: the list's token offsets [0, cumsum(num_tokens)...]. template: after a DELTA step of the list that
+    rebuilt no entry, its snapshot (host, words): the next step rebuilds none either, so its snapshot's list
+    part is the template's but for its id and start positions; it copies the template, writes those two,
+    and packs only its own table deltas (staging.pack_runs) unless it has none and the template had none
+    either (a quiet step)."""
 
-    def __init__(self, host: np.ndarray, words: int, step: Step):
+    __slots__ = ("key", "cu", "host", "words", "list_words", "_starts")
+
+    def __init__(self, key: tuple, cu: np.ndarray):
+        self.key, self.cu = key, cu
+        self.host = None            # no template yet
+
+    def keep_template(self, host: np.ndarray, words: int) -> None:
         self.host, self.words = host, words
         self.list_words = int(host[H_OFF_RUN_START])        # where the runs part starts
-        self.rows, self.tokens, self.pad_to = step.rows, step.num_tokens, step.pad_to
         self._starts = int(host[H_OFF_START_POS])
-
-    def follows(self, step: Step) -> bool:
-        """Whether `step` schedules what this snapshot's step did (its list's arrays are shared)."""
-        return step.rows is self.rows and step.num_tokens is self.tokens and step.pad_to == self.pad_to
 
     def repack(self, buf: np.ndarray, step: Step, cells: np.ndarray, values: np.ndarray,
                cleared: Optional[np.ndarray], written) -> int:
@@ -89,7 +91,7 @@ class _ListSnapshot:
             buf[:n] = self.host[:n]
             self.host = buf
         buf[H_STEP] = step_word(step.id)
-        buf[self._starts:self._starts + len(self.rows)] = step.start_positions
+        buf[self._starts:self._starts + len(step.rows)] = step.start_positions
         if len(cells) or cleared is not None or written is not None or not quiet:
             self.words = pack_runs(buf, self.list_words, cells, values, cleared, written)
         return self.words
@@ -166,8 +168,7 @@ class StepPipeline:
         self.force_full = False      # a launch failed part-way: the outputs may hold anything
         self.h2d_bytes_last_step = 0
         self._prev: Optional[Step] = None
-        self._cu_of, self._cu = None, None      # _cu_tokens' last token array and its result
-        self._listed: Optional[_ListSnapshot] = None     # the last step's snapshot, if a list step's
+        self._list: Optional[_DecodeList] = None        # the last step's, if a decode list's
 
     # Device 0's buffers (the only ones of a one-device manager).
     consts = property(lambda self: self.mirrors[0].consts)
@@ -194,25 +195,20 @@ class StepPipeline:
             for m in self.mirrors:
                 m.backend.wait(m.backend.stream, event)
         allow_delta, self.force_full = not self.force_full, True    # until fully enqueued
-        self._enqueue(step, slot, cells, values, cleared, written, self._cu_tokens(step.num_tokens), allow_delta)
+        self._enqueue(step, slot, cells, values, cleared, written, allow_delta)
         self.force_full = False
         self._prev = step
         for m in self.mirrors:
             m.outputs.holder = step.id
 
-    def _cu_tokens(self, num_tokens: np.ndarray) -> np.ndarray:
-        """[0, cumsum(num_tokens)...]. Pure decode steps of one generation list share its read-only token
-        array, so the last result is kept for that array (this is its one owner and only check)."""
-        if num_tokens is not self._cu_of:
-            cu = np.empty(len(num_tokens) + 1, np.int64)
-            cu[0] = 0
-            num_tokens.cumsum(out=cu[1:])
-            self._cu_of, self._cu = num_tokens, cu
-        return self._cu
-
-    def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
-        listed, self._listed = self._listed, None
-        if listed is not None and allow_delta and listed.follows(step):
+    def _enqueue(self, step: Step, slot, cells, values, cleared, written, allow_delta: bool) -> None:
+        listed, self._list = self._list, None
+        if step.list_key is None:
+            listed = None
+        elif listed is None or listed.key != step.list_key:
+            listed = _DecodeList(step.list_key, step.cu_tokens())
+        cu_tokens = listed.cu if listed is not None else step.cu_tokens()
+        if listed is not None and listed.host is not None and allow_delta:
             step.mode, entries = MODE_DELTA, 0
             words = listed.repack(slot.host, step, cells, values, cleared, written)
         else:
@@ -225,8 +221,10 @@ class StepPipeline:
             # the entries whose tables the step writes whole: the batch and its padding (a FULL grid and graph
             # bucket cover one at least), or the rebuilt ones
             entries = max(step.num_seqs, step.pad_to, 1) if rebuilt is None else len(rebuilt)
-            listed = (_ListSnapshot(slot.host, words, step)
-                      if step.mode == MODE_DELTA and not entries and step.num_contexts == 0 else None)
+            if listed is not None:
+                listed.host = None          # (a template of the list's earlier steps is not this one's)
+                if step.mode == MODE_DELTA and not entries:
+                    listed.keep_template(slot.host, words)
         # the cells the apply covers: the ranges' cells too, as packed (a step without ranges skips the read)
         num_cells = len(cells) if cleared is None and written is None else int(slot.host[H_NUM_CELLS])
         tokens = int(cu_tokens[-1])
@@ -238,17 +236,18 @@ class StepPipeline:
             # One event for both: the twin's copy is done when the step is (an event between the copy and
             # the kernels would cost the GPU time every step, and the slot is reused only later). A run whose
             # snapshot went in its launch leaves nothing that reads the slot: it is free again at once.
+            route = plan.route(words, graph)
             try:
-                part.ready = plan.run(m.backend.stream, step.mode, words, num_cells, entries, tokens, graph)
-                twin.copied = part.ready if plan.reads_slot(words, graph) else None
+                part.ready = plan.run(m.backend.stream, step.mode, words, num_cells, entries, tokens, graph, route)
+                twin.copied = part.ready if route.reads_slot else None
             except BaseException:
                 # A run that failed part-way may have enqueued what reads the slot (the copy, a launch whose
                 # ready record failed): the slot is not handed out again before the stream has run it.
                 twin.copied = _after_failure(m.backend)
                 raise
-            h2d_words += plan.h2d_words(words, graph)
+            h2d_words += route.h2d_words
         self.h2d_bytes_last_step = h2d_words * 4
-        self._listed = listed
+        self._list = listed
 
     def capture_graphs(self) -> int:
         """Capture now every step graph the ring slots can need on every device (CUDA backend with
@@ -266,14 +265,10 @@ class StepPipeline:
     def _entries(self, step: Step, allow_delta: bool):
         """(rebuilt, held) of the step from the entry map (EntryMap.advance): rebuilt None means FULL.
         allow_delta False (a launch failed part-way before) forgets what the outputs hold."""
-        prev, entries = self._prev, self.entries
+        entries = self.entries
         if not allow_delta:
             entries.forget()
-        delta = allow_delta and self.steady_batch_delta
-        if (delta and prev is not None and prev.rows is step.rows and prev.mode is not None
-                and prev.num_contexts == 0 and prev.pad_to == step.pad_to):
-            return entries.unchanged(step.rows, step.pad_to)     # the same validated generation list
-        return entries.advance(step.rows, step.num_contexts, step.pad_to, delta)
+        return entries.advance(step.rows, step.num_contexts, step.pad_to, allow_delta and self.steady_batch_delta)
 
     def verify_mirror(self, table) -> None:
         """Debug: wait for each device's manager stream and check its mirror against the host table (a
@@ -304,14 +299,14 @@ class UnsafeStaging(StepPipeline):
     def acquire(self, words: int):
         return None
 
-    def _enqueue(self, step: Step, slot, cells, values, cleared, written, cu_tokens, allow_delta: bool) -> None:
+    def _enqueue(self, step: Step, slot, cells, values, cleared, written, allow_delta: bool) -> None:
         # Sized for the largest batch, as a persistent metadata buffer would be: every step (and any other
         # pinned allocation of that size class) gets the block the previous one dropped.
         words = snapshot_words(self.max_batch, self.max_batch, self.num_groups,
                                max(16, step.scratch_slots.shape[2]), 0, 0)
         tmp = self.backend.pinned_temp(words)
         words = pack_snapshot(tmp, step.id, step.rows, step.scratch_begs, step.scratch_ends, step.scratch_slots,
-                              NO_INDEX, NO_INDEX, cu_tokens, step.start_positions)
+                              NO_INDEX, NO_INDEX, step.cu_tokens(), step.start_positions)
         for m, part in zip(self.mirrors, step.parts):
             be, st, out = m.backend, m.backend.stream, m.outputs
             if self._dev[m.rank] is None or len(self._dev[m.rank]) < words:
@@ -320,6 +315,6 @@ class UnsafeStaging(StepPipeline):
             be.copy_h2d(dev, tmp, words, st)
             be.copy_h2d(m.mirror, self.table, self.table.size, st)
             be.build_step(st, dev, m.mirror, out.tables, m.row_entry, out.write_pages, out.write_offsets, m.consts,
-                          m.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=int(cu_tokens[-1]))
+                          m.shared, MODE_FULL, num_entries=step.num_seqs, num_tokens=step.total_tokens)
             part.ready = be.record(st)
         self.h2d_bytes_last_step = (words + self.table.size) * 4 * len(self.mirrors)

@@ -66,17 +66,39 @@ class CachedSeq:
     margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
     ranges: Dict = field(default_factory=dict)    # group -> the retained block ranges, a list of (lo, hi)
 
+    def parent(self, fingerprint: bytes) -> bytes:
+        """The hash the request's next block chains from (h_{-1} before its first block)."""
+        return self.hashes[-1] if self.hashes else _h(self.salt, fingerprint)
+
+    def hash_blocks(self, tokens: np.ndarray, tpb: int, fingerprint: bytes) -> np.ndarray:
+        """Hash the full blocks of `tokens` (int64, following self.hashes); returns the rest (fewer than tpb)."""
+        full = len(tokens) // tpb
+        raw = memoryview(np.ascontiguousarray(tokens[:full * tpb], "<i8")).cast("B")
+        step, salt, append = tpb * 8, self.salt, self.hashes.append
+        parent = self.parent(fingerprint)
+        for at in range(0, full * step, step):         # (a long prompt: thousands of blocks, one chain)
+            parent = _h(parent, salt, raw[at:at + step])
+            append(parent)
+        return tokens[full * tpb:]
+
+
+def retained_ranges(g: LayerGroup, boundaries: Sequence[int], tpb: int) -> List[Tuple[int, int]]:
+    """Block ranges a hit at each boundary needs (its window and sinks are the group's rules), plus one block
+    before the window, so a follow-up that diverges in the boundary's last block still hits the block
+    boundary before it."""
+    out = []
+    for pos in boundaries:
+        b = pos // tpb
+        out.append((max(g.sink_blocks, int(g.stale_end(b * tpb)) - 1), b))
+    return out
+
 
 class PrefixCache:
     """Hash maps per group, the cached sequences by table row, statistics and events."""
 
     def __init__(self, layout: Layout, pools: Sequence, retention: str = "boundaries", events: bool = False):
-        self.layout = layout
-        self.groups: Tuple[LayerGroup, ...] = layout.groups
-        self.tpb = layout.tpb
-        self.pools = pools
-        self.retention = retention
-        spec = layout.spec
+        self.layout, self.groups, self.tpb = layout, layout.groups, layout.tpb
+        self.pools, self.retention, spec = pools, retention, layout.spec
         self.fingerprint = repr((self.tpb, spec.num_kv_heads, spec.head_dim, spec.dtype,
                                  [(g.window, g.sink_tokens, g.layers) for g in self.groups])).encode()
         self.by_hash: List[Dict[bytes, int]] = [{} for _ in self.groups]
@@ -112,23 +134,8 @@ class PrefixCache:
     def new_seq(self, tokens: np.ndarray, salt: bytes, boundaries: List[int]) -> CachedSeq:
         """A request's sequence with its prompt's full blocks hashed."""
         seq = CachedSeq(salt, [], None, boundaries)
-        seq.tail = self._hash_blocks(seq, tokens)
+        seq.tail = seq.hash_blocks(tokens, self.tpb, self.fingerprint)
         return seq
-
-    def _hash_blocks(self, seq: CachedSeq, tokens: np.ndarray) -> np.ndarray:
-        """Hash the full blocks of `tokens` (int64, following seq.hashes); returns the rest (fewer than tpb)."""
-        full = len(tokens) // self.tpb
-        raw = memoryview(np.ascontiguousarray(tokens[:full * self.tpb], "<i8")).cast("B")
-        step, salt, append = self.tpb * 8, seq.salt, seq.hashes.append
-        parent = self._parent(seq)
-        for at in range(0, full * step, step):         # (a long prompt: thousands of blocks, one chain)
-            parent = _h(parent, salt, raw[at:at + step])
-            append(parent)
-        return tokens[full * self.tpb:]
-
-    def _parent(self, seq: CachedSeq) -> bytes:
-        """The hash the request's next block chains from (h_{-1} before its first block)."""
-        return seq.hashes[-1] if seq.hashes else _h(seq.salt, self.fingerprint)
 
     def lookup(self, hashes: List[bytes], prompt_len: int, with_host: bool = True
                ) -> Tuple[int, List[Tuple[np.ndarray, np.ndarray, np.ndarray]]]:
@@ -309,12 +316,12 @@ class PrefixCache:
             filled, past = rows[fits & (grown == tpb)], np.flatnonzero(use & ~fits).tolist()
         for row in filled.tolist():
             seq = self.seqs[row]
-            seq.hashes.append(_h(self._parent(seq), seq.salt, self.tail_tokens[row].data))
+            seq.hashes.append(_h(seq.parent(self.fingerprint), seq.salt, self.tail_tokens[row].data))
             self.tail_len[row] = 0
         for j in past:
             row, n = int(rows[j]), int(held[j])
-            rest = self._hash_blocks(self.seqs[row], np.concatenate((self.tail_tokens[row, :n],
-                                                                     tokens[starts[j]:starts[j] + counts[j]])))
+            rest = self.seqs[row].hash_blocks(np.concatenate((self.tail_tokens[row, :n], tokens[starts[j]:starts[j]
+                                                              + counts[j]])), self.tpb, self.fingerprint)
             self.tail_len[row] = len(rest)
             self.tail_tokens[row, :len(rest)] = rest
 
@@ -422,7 +429,7 @@ class PrefixCache:
         """The request's retained block ranges in group g (cached until its boundaries change)."""
         ranges = seq.ranges.get(g.index)
         if ranges is None:
-            ranges = seq.ranges[g.index] = self._retained(g, seq.boundaries)
+            ranges = seq.ranges[g.index] = retained_ranges(g, seq.boundaries, self.tpb)
         return ranges
 
     def add_boundary(self, row: int, pos: int) -> None:
@@ -431,17 +438,7 @@ class PrefixCache:
         seq.boundaries.append(pos)
         seq.ranges.clear()
         self._retain(seq, 0, seq.published,
-                     {g.index: self._retained(g, [pos]) for g in self._windowed})
-
-    def _retained(self, g: LayerGroup, boundaries: Sequence[int]) -> List[Tuple[int, int]]:
-        """Block ranges a hit at each boundary needs (its window and sinks are the group's rules), plus
-        one block before the window, so a follow-up that diverges in the boundary's last block still hits
-        the block boundary before it."""
-        out = []
-        for pos in boundaries:
-            b = pos // self.tpb
-            out.append((max(g.sink_blocks, int(g.stale_end(b * self.tpb)) - 1), b))
-        return out
+                     {g.index: retained_ranges(g, [pos], self.tpb) for g in self._windowed})
 
     def scratch_range(self, g: LayerGroup, row: int, start: int, capacity: int) -> Tuple[int, int]:
         """The chunk's scratch range with the retained ranges of the request's boundaries (and of the
@@ -451,7 +448,7 @@ class PrefixCache:
         if hi <= lo or seq is None:
             return lo, hi
         free = np.ones(hi - lo, bool)
-        for a, b in self._retained(g, [*seq.boundaries, capacity]):
+        for a, b in retained_ranges(g, [*seq.boundaries, capacity], self.tpb):
             free[max(a, lo) - lo:max(min(b, hi), lo) - lo] = False
         if free.all():
             return lo, hi
@@ -484,12 +481,6 @@ class PrefixCache:
         events = self.events.copy()     # (the list itself stays: _event appends to it)
         self.events.clear()
         return events
-
-    def stats(self) -> dict:
-        return dict(queries=self.queries, query_tokens=self.query_tokens, hit_tokens=self.hit_tokens,
-                    groups=[dict(cached_blocks=len(table), evictable_blocks=pool.num_evictable,
-                                 evictions=pool.evictions, host_blocks=len(host))
-                            for table, pool, host in zip(self.by_hash, self.pools, self.host_by_hash)])
 
     def state(self) -> tuple:
         seqs = tuple((row, s.salt, tuple(self.tail_tokens[row, :self.tail_len[row]].tolist()), tuple(s.hashes), tuple(s.boundaries), s.hit_blocks,

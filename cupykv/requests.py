@@ -13,6 +13,7 @@ compare it.
 from __future__ import annotations
 
 import heapq
+import itertools
 from operator import itemgetter
 from typing import TYPE_CHECKING, Dict, Hashable, List, Optional, Tuple
 
@@ -21,6 +22,7 @@ import numpy as np
 from .errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .ledger import StepLedger
     from .step import Step
 
 RequestId = Hashable
@@ -71,7 +73,7 @@ class Request:
     @property
     def pending(self) -> List["Step"]:
         """Prepared steps of this request that are not settled yet, oldest first."""
-        return [s for s in self._table.unsettled()
+        return [s for s in self._table.ledger.unsettled
                 if np.any((s.rows == self.row) & (s.incarnations == self.incarnation))]
 
 
@@ -98,11 +100,12 @@ class GenBatch:
     built only on the second of two such steps in a row (building costs a few steps' savings).
     """
 
-    __slots__ = ("ids", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
+    __slots__ = ("ids", "serial", "rows", "rows32", "incarnations", "moves", "k", "tokens", "room", "longest", "at",
                  "_phase_k", "_phase", "_steady", "_by_phase", "_rows_by_phase", "_phase_bounds")
 
-    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int):
+    def __init__(self, ids: List[RequestId], rows: np.ndarray, incarnations: np.ndarray, moves: int, serial: int):
         self.ids = ids
+        self.serial = serial            # unique per list made: (serial, k) names a decode step's batch (Step.list_key)
         self.rows = frozen(rows)                             # int64, for indexing the per-row arrays
         self.rows32 = frozen(rows.astype(np.int32))          # Step.rows
         self.incarnations = frozen(incarnations)
@@ -179,7 +182,7 @@ class GenBatch:
 class RequestTable:
     """Rows of the page table and who holds them, with each row's numbers (int64 [rows] arrays)."""
 
-    def __init__(self, rows: int, num_groups: int, sink_blocks: np.ndarray, unsettled):
+    def __init__(self, rows: int, num_groups: int, sink_blocks: np.ndarray, ledger: "StepLedger"):
         self.hist = np.zeros(rows, np.int64)            # settled tokens
         self.cap = np.zeros(rows, np.int64)             # reserved tokens (history + unsettled steps)
         self.prompt = np.zeros(rows, np.int64)
@@ -194,8 +197,18 @@ class RequestTable:
         self.free_rows = list(range(rows))
         self.moves = 0
         self.cap_writes = 0
-        self.unsettled = unsettled                      # () -> the manager's unsettled steps (Request.pending)
+        self.ledger = ledger                            # its unsettled steps: Request.pending
         self._gen: Optional[GenBatch] = None
+        self._serials = itertools.count()
+
+    def scratch_held(self, num_groups: int) -> Tuple[int, ...]:
+        """Scratch slots held per group (by the context chunks of unsettled steps)."""
+        held = [0] * num_groups
+        for req in self.requests.values():
+            for per_group in req.scratch.values():
+                for p, slots in enumerate(per_group):
+                    held[p] += len(slots)
+        return tuple(held)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -282,7 +295,7 @@ class RequestTable:
             i = int(np.argmax(unready))
             raise InvalidRequestError(f"request {gen_ids[i]!r}: cannot decode before its whole prompt "
                                       f"is scheduled ({cap[i]} of {self.prompt[rows[i]]} tokens)")
-        self._gen = batch = GenBatch(gen_ids, rows, self.incarnation[rows], self.moves)
+        self._gen = batch = GenBatch(gen_ids, rows, self.incarnation[rows], self.moves, next(self._serials))
         return batch
 
     def _check_no_duplicates(self, gen_ids: List[RequestId], rows: np.ndarray, ctx_rows: List[int]) -> None:

@@ -185,3 +185,10 @@ class CacheSpec:
     def dtype_bytes(self) -> int:
         """Bytes of one KV element of the spec's dtype."""
         return DTYPE_BYTES[self.dtype]
+
+    def buffer_sizes(self) -> str:
+        """What the manager's buffers grow with (for the error when they do not fit)."""
+        return (f"the page table and the outputs grow with max_batch={self.max_batch} x (max_seq_len="
+                f"{self.max_seq_len} + max_rewind={self.max_rewind}) / tokens_per_block, the write positions with "
+                f"num_layers={self.num_layers} x max_step_tokens={self.step_token_capacity}"
+                + ("" if self.max_step_tokens is not None else " (by default 8192 + max_batch x (1 + max_rewind))"))

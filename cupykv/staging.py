@@ -10,7 +10,7 @@ may still be pending. A grown slot's device buffers are retired, not dropped (ke
 Snapshot layout (int32 words; the device kernels read every count and offset from the header). The list
 part comes first: what a generation list's decode steps share but for the step id and start positions.
 The runs part, the step's own table deltas, comes last (pack_runs), so a step of the same list as the last
-one can copy the list part and pack only its runs (pipeline._ListSnapshot).
+one can copy the list part and pack only its runs (pipeline._DecodeList).
 
     header[HEADER_WORDS]              the list part's words (H_STEP ... H_OFF_REBUILT), then the runs part's
                                       (H_NUM_RUNS ... H_OFF_VALUES)
@@ -351,7 +351,7 @@ class SnapshotRing:
 
     Slots are handed out in turn, except that a slot nothing read after its step's enqueue (an inline
     launch's: SlotTwin.copied None) is handed out again at once: a run of small launched steps stays on one
-    slot, whose list snapshot (pipeline._ListSnapshot) is then patched in place. Steps that read their
+    slot, whose list snapshot (pipeline._DecodeList) is then patched in place. Steps that read their
     slot (copies, graph replays) go round, so each slot gets its step graphs early, not behind a busy stream.
     When every slot is in flight the ring grows, up to max_slots; then it waits for the oldest slot,
     up to timeout_s, and raises StagingExhaustedError. It never hands out a busy slot.

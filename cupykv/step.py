@@ -163,7 +163,8 @@ class Step:
 
     def __init__(self, step_id: int, request_ids: List[Hashable], rows: np.ndarray, incarnations: np.ndarray,
                  tokens: np.ndarray, starts: np.ndarray, num_contexts: int, *, layout, owner: object,
-                 pad_to: int = 0, moves: int = 0, index_rows: Optional[np.ndarray] = None):
+                 pad_to: int = 0, moves: int = 0, index_rows: Optional[np.ndarray] = None,
+                 list_key: Optional[tuple] = None):
         self.id = step_id
         self.request_ids = request_ids              # batch order, contexts first
         self.rows = rows                            # int32 [num_seqs]: table row of each entry (= copy_idx)
@@ -173,6 +174,9 @@ class Step:
         self.num_contexts = num_contexts
         self.pad_to = pad_to                        # output rows [num_seqs, pad_to) were written BAD (or the null page)
         self.moves = moves                          # the request table's move count at prepare (see settle)
+        # a pure decode step of a validated generation list: (its serial, tokens per entry, pad_to); two steps
+        # with one key schedule the same rows and tokens (pipeline._DecodeList reuses its work); else None
+        self.list_key = list_key
         # int64 [num_seqs]: rows again, as the manager indexes its per-row arrays with them (read only)
         self.index_rows = index_rows if index_rows is not None else rows.astype(np.int64)
         self.layout = layout                        # cupykv.Layout of the manager

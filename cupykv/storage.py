@@ -191,7 +191,8 @@ class KVStorage:
         self._writes: List = []        # events after writes on streams other than the manager stream
         self.host_tier: Optional[HostTier] = None
         if tier_bytes is not None:
-            self.host_tier = self.manager.host_tier = HostTier(self, self.manager, tier_bytes)
+            self.host_tier = HostTier(self, self.manager, tier_bytes)
+            self.manager.attach_host_tier(self.host_tier)
 
     # -- the host tier -----------------------------------------------------------------------------
     def suspend(self, rid) -> None:

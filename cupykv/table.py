@@ -17,6 +17,25 @@ import numpy as np
 from .layout import BAD, FILL_MIN_RUN, NO_INDEX
 
 
+
+def range_pairs(rows: np.ndarray, lo: np.ndarray, count: np.ndarray, longest):
+    """(row, block) pairs of the block ranges [lo, lo + count) of each row (count >= 1; longest =
+    count.max()), rows in order."""
+    if longest == 1:                     # the decode case: one block per row
+        return rows, lo
+    # (methods rather than np.* functions: at these sizes the dispatch costs more than the work)
+    ends = count.cumsum()
+    return rows.repeat(count), lo.repeat(count) + (np.arange(int(ends[-1])) - (ends - count).repeat(count))
+
+
+def expand_ranges(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """(row, block) pairs of the non-empty block ranges [lo, hi) of each row (hi > lo), rows in order."""
+    if len(rows) == 0:
+        return rows, lo
+    count = hi - lo
+    return range_pairs(rows, lo, count, np.maximum.reduce(count))
+
+
 class PageTable:
     """int32 [P, rows, B] in pinned memory (the unsafe staging mode copies from it directly; the snapshot
     mode never lets the copy engine read it), and the flat cells written since the last step."""

@@ -39,18 +39,18 @@ def run_parts(mgr, step) -> None:
     record. Every launch enqueues the last step again: its kernel reads the same snapshot, so it writes what
     it wrote (the manager is not used after this)."""
     pipe, be = mgr.pipeline, mgr.backend
-    listed, slot = pipe._listed, pipe.ring._last
+    listed, slot = pipe._list, pipe.ring._last
     if listed is None or listed.host is not slot.host:
         print("  run_parts: the last step was not a list step; skipped")
         return
     plan, st = pipe.mirrors[0].plan(slot.twins[0]), be.stream
     words, tokens, entries = listed.words, int(step.num_tokens.sum()), 0
     num_cells = int(slot.host[H_NUM_CELLS])
-    inline = plan._inline(words, None)
+    inline = plan.route(words, None).launch
     blocks = sum(cuda_backend.fused_grid(plan._grid, step.mode, entries, num_cells, tokens))
     parts = [("plan.run (whole)", lambda: plan.run(st, step.mode, words, num_cells, entries, tokens)),
              ("DeviceScope enter/exit", lambda: scope_round_trip(be.device_id)),
-             ("_inline + fused_grid", lambda: (plan._inline(words, None),
+             ("route + fused_grid", lambda: (plan.route(words, None),
                                                cuda_backend.fused_grid(plan._grid, step.mode, entries, num_cells,
                                                                        tokens)))]
     if inline is not None:

@@ -56,10 +56,11 @@ if __name__ == "__main__":
     if "--lines" in sys.argv:
         from line_profiler import LineProfiler
         import cupykv.manager as m
+        import cupykv.planner as pn
         import cupykv.pipeline as pl
         import cupykv.staging as sg
         lp = LineProfiler()
-        for f in (m.KVCacheManager._plan, m.KVCacheManager._commit, m.KVCacheManager._commit_contexts,
+        for f in (pn.StepPlanner.plan, m.KVCacheManager._commit, m.KVCacheManager._commit_contexts,
                   m.KVCacheManager.settle, m.KVCacheManager._release_stale, pl.StepPipeline._enqueue,
                   sg.pack_snapshot, m.RequestTable.generation_batch, m.RequestTable._check_no_duplicates,
                   m.KVCacheManager._release):

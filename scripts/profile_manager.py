@@ -114,8 +114,8 @@ def timer(spent: dict):
 def time_parts(timed) -> list:
     """Timers around the manager's own parts of a step: each replaced by timed(label, original) (a timer adds a
     few tenths of a microsecond); returns (owner, name, original) to put back."""
-    from cupykv import ledger, manager, pipeline, step
-    parts = [(manager.KVCacheManager, "_plan"), (manager.KVCacheManager, "_commit"),
+    from cupykv import ledger, manager, pipeline, planner, step
+    parts = [(planner.StepPlanner, "plan"), (manager.KVCacheManager, "_commit"),
              (ledger.StepLedger, "poll"), (pipeline.StepPipeline, "acquire"), (pipeline.StepPipeline, "launch"),
              (pipeline, "pack_snapshot"), (pipeline.StepPipeline, "_entries"), (ledger.StepLedger, "record"),
              (step.Step, "finish"), (manager.KVCacheManager, "_release_stale")]
@@ -212,8 +212,8 @@ def main():
         census(lambda: decode_step(mgr, rids))
     if "--lines" in sys.argv:
         from line_profiler import LineProfiler
-        from cupykv import manager, pipeline, staging
-        lp = LineProfiler(manager.KVCacheManager._plan, manager.KVCacheManager._commit,
+        from cupykv import manager, pipeline, planner, staging
+        lp = LineProfiler(planner.StepPlanner.plan, manager.KVCacheManager._commit,
                           pipeline.StepPipeline._enqueue, staging.pack_snapshot)
         lp.enable()
         for _ in range(200):

@@ -1228,7 +1228,7 @@ def test_cache_events_off_keep_nothing_and_decide_the_same():
 
 def test_a_step_within_the_lists_room_checks_its_padding_and_tokens():
     """A decode step of the last validated list that fits the list's room takes a plan of its own
-    (_plan_in_room); its padding, its tokens and the previous step's finish are checked all the same,
+    (StepPlanner.plan_in_room); its padding, its tokens and the previous step's finish are checked all the same,
     with the state unchanged."""
     mgr = make_mgr(max_step_tokens=4)
     mgr.add("a", 8)

@@ -523,7 +523,7 @@ def test_an_inline_snapshot_is_the_slot_at_enqueue(rng, cuda_backend, inline):
         slot.host[:len(first)] = first
         plan = bufs.plan(slot, path)
         if path == inline:      # the struct the launch carries
-            assert plan.h2d_words(len(first)) == (INLINE_SNAPSHOT_WORDS if inline == "inline_large"
+            assert plan.route(len(first)).h2d_words == (INLINE_SNAPSHOT_WORDS if inline == "inline_large"
                                                   else SMALL_INLINE_SNAPSHOT_WORDS)
         be.synchronize()
         gate = be.gate(be.stream)

@@ -14,6 +14,7 @@ import pytest
 import cupykv
 from cupykv import BAD, CapacityExceededError, InvalidRequestError, OutOfSlotsError, UnknownRequestError
 from cupykv import pipeline, staging
+from cupykv.planner import StepPlanner
 from conftest import Capture, expected_tables
 
 TPB = 8
@@ -147,13 +148,13 @@ def test_decode_steps_match_model_and_reference(k, windows, sinks):
 @pytest.mark.parametrize("mode,scratch", [("per_layer", False), ("shared", False), ("per_layer", True)])
 def test_long_window_releases_by_range_match_model_and_reference(backend_name, mode, scratch):
     """A settle whose rows release many window blocks at once (a long chunk's: at least
-    manager.SLICE_MIN_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range
+    prefix_hook.SLICE_MIN_BLOCKS) clears each such row's range as one (PageTable.take_blocks, logged as a range
     and shipped as a fill run), beside rows that release a block or none in the same settle; with scratch reuse such a
     range is mostly scratch blocks without a slot, and goes cell by cell. Checked against the oracle's model (the blocks
     that hold a slot, scratch included, and every slot's whereabouts) and each step's tables against the
     reference; chunks are settled one step late, and each request's row is freed and taken by the next
     request in the same interval."""
-    from cupykv.manager import SLICE_MIN_BLOCKS
+    from cupykv.prefix_hook import SLICE_MIN_BLOCKS
     from oracle import Modelled
     spec = cupykv.CacheSpec(windows=[16, None, 24], num_kv_heads=1, head_dim=4, tokens_per_block=TPB,
                             max_seq_len=4096, max_batch=6, slots_per_group=3000, table_mode=mode,
@@ -220,8 +221,8 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
                             max_seq_len=157, max_batch=8, slots_per_group=400, max_rewind=3)
     mgr = cupykv.KVCacheManager(spec, backend="host")
     model, cap = Model(mgr), Capture(mgr)
-    in_room, known = [], []         # per step planned: by _plan_in_room (True) or by _plan (False)
-    plan_in_room, plan, knows = (cupykv.KVCacheManager._plan_in_room, cupykv.KVCacheManager._plan,
+    in_room, known = [], []         # per step planned: by plan_in_room (True) or by plan (False)
+    plan_in_room, plan, knows = (StepPlanner.plan_in_room, StepPlanner.plan,
                                  cupykv.requests.GenBatch.knows)
 
     def planned_in_room(self, *args):
@@ -229,8 +230,8 @@ def test_decode_steps_within_the_room_match_model_and_reference(batch, monkeypat
         if p is not None:
             in_room.append(True)
         return p
-    monkeypatch.setattr(cupykv.KVCacheManager, "_plan_in_room", planned_in_room)
-    monkeypatch.setattr(cupykv.KVCacheManager, "_plan", lambda self, *a: in_room.append(False) or plan(self, *a))
+    monkeypatch.setattr(StepPlanner, "plan_in_room", planned_in_room)
+    monkeypatch.setattr(StepPlanner, "plan", lambda self, *a: in_room.append(False) or plan(self, *a))
     monkeypatch.setattr(cupykv.requests.GenBatch, "knows",
                         lambda self, at: known.append(knows(self, at)) or known[-1])
     rng = np.random.default_rng(batch)
@@ -286,7 +287,7 @@ def test_openings_by_phase_match_model_reference_and_the_general_path(k, monkeyp
         return orig_batch(gen_ids, ctx_rows)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow.planner, "plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     found, built = [], []
     openings = cupykv.requests.GenBatch.openings
 
@@ -383,7 +384,7 @@ def _twin_managers(monkeypatch):
         return orig_settle(step, accepted)
 
     monkeypatch.setattr(slow.requests, "generation_batch", uncached)
-    monkeypatch.setattr(slow, "_plan_in_room", lambda gen, gen_ids, k, pad_to: None)
+    monkeypatch.setattr(slow.planner, "plan_in_room", lambda gen, gen_ids, k, pad_to: None)
     monkeypatch.setattr(slow, "settle", checking_settle)
     return fast, slow
 
@@ -808,7 +809,7 @@ def test_ranges_across_features(monkeypatch):
 @pytest.mark.parametrize("ring_slots", [1, 4])
 def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots, monkeypatch):
     """A decode step of the previous step's very list, which rebuilt no entry, copies the previous step's
-    snapshot, writes its id and start positions and packs its own table deltas (pipeline._ListSnapshot;
+    snapshot, writes its id and start positions and packs its own table deltas (pipeline._DecodeList;
     a quiet step, with no delta after one with none, packs nothing). Every such snapshot must be the bytes
     pack_snapshot gives for the step, and every step's tables and write positions the reference's, across
     block openings, window releases, another list now and then, a change of padding or of tokens per entry,
@@ -819,11 +820,12 @@ def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots,
                             max_seq_len=4096, max_batch=6, slots_per_group=600, max_rewind=2)
     mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=ring_slots)
     cap = Capture(mgr, write_positions=True)
-    repacked, repack = [], pipeline._ListSnapshot.repack
+    repacked, repack = [], pipeline._DecodeList.repack
 
     def checked(self, buf, step, cells, values, cleared, written):
         words = repack(self, buf, step, cells, values, cleared, written)
-        rebuilt, held = mgr.pipeline.entries.unchanged(step.rows, step.pad_to)
+        entries = mgr.pipeline.entries          # a list step rebuilds nothing; the entries past it stay held
+        rebuilt, held = np.zeros(0, np.int64), entries.holder[max(len(step.rows), step.pad_to):entries.held_end]
         want = np.zeros(words + 64, np.int32)
         n = staging.pack_snapshot(want, step.id, step.rows, step.scratch_begs, step.scratch_ends,
                                   step.scratch_slots, cells, values,
@@ -833,7 +835,7 @@ def test_list_steps_repack_what_the_general_pack_packs(backend_name, ring_slots,
         deltas = len(cells) > 0 or cleared is not None or written is not None
         repacked.append((n == words and np.array_equal(buf[:words], want[:n]), step.id, deltas))
         return words
-    monkeypatch.setattr(pipeline._ListSnapshot, "repack", checked)
+    monkeypatch.setattr(pipeline._DecodeList, "repack", checked)
     rng = np.random.default_rng(ring_slots)
     for r, n in (("a", 21), ("b", 40), ("c", 9)):
         mgr.add(r, n)
@@ -883,7 +885,7 @@ def test_a_list_step_after_one_with_many_deltas_fits_its_smaller_slot(backend_na
     mgr = cupykv.KVCacheManager(spec, backend=backend_name, ring_slots=2)
     cap = Capture(mgr, write_positions=True)
     rng = np.random.default_rng(0)
-    repacked, repack = [], pipeline._ListSnapshot.repack
+    repacked, repack = [], pipeline._DecodeList.repack
 
     def step(contexts, generation):
         s = mgr.prepare_batch(contexts, generation)
@@ -904,12 +906,12 @@ def test_a_list_step_after_one_with_many_deltas_fits_its_smaller_slot(backend_na
     def counted(self, buf, step, *deltas):
         repacked.append((self.words, len(buf)))
         return repack(self, buf, step, *deltas)
-    pipeline._ListSnapshot.repack = counted
+    pipeline._DecodeList.repack = counted
     try:
         for _ in range(4):
             step({}, ["a"])
     finally:
-        pipeline._ListSnapshot.repack = repack
+        pipeline._DecodeList.repack = repack
     # the first of these steps ships c's written ranges, and its snapshot is the next one's template; that
     # one is repacked into a slot shorter than the template
     assert any(words > size for words, size in repacked), repacked

@@ -128,3 +128,18 @@ def test_engine_on_the_triton_path_equals_generate(device, arch):
                        attention="triton")
     assert engine.attention == "triton"
     assert engine.generate(batch, 8) == [reference_tokens(model, p, 8) for p in batch]
+
+
+def test_a_head_size_the_kernel_cannot_tile_is_refused_or_served_by_torch(device):
+    """head_dim 24 (no power of two): attention="triton" is refused at construction, naming it; "auto" on a
+    GPU falls back to the torch path (on the CPU it is the torch path anyway)."""
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=24, num_hidden_layers=1, attn_implementation="eager")
+    model = tf.LlamaForCausalLM(cfg).eval().to(device)
+    with pytest.raises(cupykv.InvalidRequestError, match="head_dim 24"):
+        hf.Engine(model, max_batch=1, tokens_per_block=4, max_seq_len=32, attention="triton")
+    engine = hf.Engine(model, max_batch=1, tokens_per_block=4, max_seq_len=32)
+    assert engine.attention == "torch"
+    prompt = [1, 2, 3, 4, 5]
+    assert engine.generate([prompt], 4) == [reference_tokens(model, prompt, 4)]

@@ -150,8 +150,9 @@ def test_an_inline_step_frees_its_ring_slot_at_enqueue(variant, ring_slots, grap
     backend_or_skip("cuda")
     from cupykv.backends.cuda import CudaStepPlan
     if variant != "inline":
-        monkeypatch.setattr(CudaStepPlan, "_inline", lambda self, words, graph: None)
-        monkeypatch.setattr(CudaStepPlan, "reads_slot", lambda self, words, graph=None: False)
+        route = CudaStepPlan.route      # copied from the slot, and the slot released at enqueue all the same
+        monkeypatch.setattr(CudaStepPlan, "route",
+                            lambda self, words, graph=None: route(self, words, graph)._replace(launch=None, reads_slot=False))
     spec = cupykv.CacheSpec(windows=[64, None, 64, 64], num_kv_heads=2, head_dim=8, tokens_per_block=16,
                             max_seq_len=1024, max_batch=8, slots_per_group=256, max_rewind=2)
     mgr = cupykv.KVCacheManager(spec, backend="cuda", ring_slots=ring_slots, max_ring_slots=ring_slots,

@@ -24,7 +24,7 @@ from ..kernels import (INLINE_STEP_KERNELS, MODULES, OPTIONS as KERNEL_OPTIONS, 
                        TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_THREADS, module_of,
                        module_source)
 from ..staging import GRAPH_MIN_COPY_WORDS, MODE_DELTA, MODE_FULL, QUAD_BLOCKS, pow2_at_least, pow2_buckets
-from .plan import GraphBuckets, StepPlan
+from .plan import GraphBuckets, Route, StepPlan
 from .runs import run_table
 
 # The step kernels (apply_deltas, build_step): grid caps (threads per block: kernels.STEP_THREADS). Every
@@ -421,12 +421,15 @@ class CudaStepPlan(StepPlan):
         # managers), and the backend keeps the buffers alive with the graph.
         self._graph_buffers = (twin.host, twin.dev, mirror, out, row_entry, pages, offsets, consts.d_layer_koff,
                                consts.d_group_scale, consts.d_group_null, consts.d_group_layers, self._sync)
-        self._graph_key = backend._graph_key_id((tuple(_address(b) for b in self._graph_buffers), self.capacity,
-                                                 self.shared))
+        # a small int for the buffers' addresses and sizes, fixed for the life of the plan (hashing the addresses
+        # at every replay would cost the host more than the lookup)
+        key = (tuple(_address(b) for b in self._graph_buffers), self.capacity, self.shared)
+        self._graph_key = backend._graph_keys.setdefault(key, len(backend._graph_keys))
 
-    def _inline(self, words: int, graph: GraphBuckets) -> Optional[Tuple[int, PackedLaunch]]:
-        """The one rule for how a step travels: (struct words, launch) of the smallest inline kernel that
-        carries `words`, or None for a step that is copied from the slot (too large, or a graph replay).
+    def route(self, words: int, graph: GraphBuckets = None) -> Route:
+        """The one rule for how a step travels: the smallest inline kernel that carries `words` (its struct
+        is what goes to the device, and nothing reads the slot after the enqueue), or a copy from the slot
+        (too large, or a graph replay).
 
         With graphs (graph: the step's buckets), only the smallest inline kernel takes a step from its
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
@@ -436,24 +439,14 @@ class CudaStepPlan(StepPlan):
                    self._inlines[:1] if self.small_steps_inline_under_graphs else ())
         for inline in kernels:
             if words <= inline[0]:
-                return inline
-        return None
-
-    def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
-        """An inline launch takes its kernel's whole snapshot struct in its parameters, whatever the
-        snapshot's size."""
-        inline = self._inline(words, graph)
-        return inline[0] if inline is not None else super().h2d_words(words, graph)
-
-    def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
-        """An inline launch's snapshot is copied by the driver at enqueue: nothing reads the slot after it."""
-        return self._inline(words, graph) is None
+                return Route(inline, False, inline[0])
+        return super().route(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
-            graph: GraphBuckets = None) -> CudaEvent:
+            graph: GraphBuckets = None, route: Optional[Route] = None) -> CudaEvent:
         be = self.backend
         with DeviceScope(be.device_id):
-            inline = self._inline(words, graph)
+            inline = (route or self.route(words, graph)).launch
             if graph is None or inline is not None:
                 self._enqueue(stream.ptr, mode, words, num_cells, num_entries, num_tokens, inline)
             else:
@@ -551,6 +544,99 @@ def _zeros_pinned(count: int, dtype) -> np.ndarray:
         raise MemoryError(f"cannot pin {count * np.dtype(dtype).itemsize} bytes of host memory ({e})") from e
 
 
+def capture_step_graphs(plans: Iterable["CudaStepPlan"], seqs_buckets: Sequence[int],
+                        tokens_buckets: Sequence[int], min_copy_words: int = GRAPH_MIN_COPY_WORDS,
+                        modes: Sequence[int] = (MODE_FULL, MODE_DELTA)) -> int:
+    """Capture now every step graph that these plans (one per ring-slot twin) can need, so that
+    prepare_batch only replays.
+
+    Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph's
+    batch bucket is that of its rebuilt entries: none, or up to half of the largest batch bucket). Copy
+    buckets are the powers of two from min_copy_words, capped at each slot's capacity (pow2_buckets),
+    which is how staging.graph_buckets rounds a step's copy size; pass the batch and token buckets the
+    same way. Call while nothing holds the device, e.g. when the
+    manager is made. Graphs already captured are skipped; returns how many were captured now. A slot
+    added or grown later captures on first use.
+    """
+    captured = 0
+    for plan in plans:
+        for mode in modes:
+            delta = int(mode) == MODE_DELTA
+            half = pow2_at_least(seqs_buckets[-1] // 2)       # DELTA rebuilds at most half the batch
+            for seqs in ([0] + [b for b in seqs_buckets if b <= half] if delta else seqs_buckets):
+                for tokens in tokens_buckets:
+                    for copy_words in pow2_buckets(min_copy_words, plan.capacity):
+                        captured += plan.capture(int(mode), (copy_words, seqs, tokens))
+    return captured
+
+
+class Memo:
+    """memo(tag, buffers, make): make() once per (tag, buffers by identity). A manager's buffers are fixed
+    for its life, so each step's calls skip re-validating them and re-reading their pointers. An entry
+    holds its buffers, so their ids cannot be reused while it exists."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+    def __call__(self, tag: str, buffers: tuple, make):
+        key = (tag,) + tuple(map(id, buffers))
+        hit = self.entries.get(key)
+        if hit is None:
+            if len(self.entries) >= MEMO_ENTRIES:
+                self.entries.clear()     # buffers replaced over time (grown ring slots, tests) are let go
+            hit = self.entries[key] = (make(), buffers)
+        return hit[0]
+
+
+@functools.lru_cache(maxsize=None)
+def clock_rate_khz(device_id: int) -> int:
+    """The device's SM clock (a fast one, 2 GHz, where the driver cannot tell: a timeout errs long)."""
+    try:
+        khz = int(runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, device_id))
+    except Exception:
+        khz = 0
+    return khz if khz > 0 else 2_000_000
+
+
+class KernelModules:
+    """One device's kernel modules: compiled once per process (CuPy keeps the binary on disk and the module
+    in memory), loaded on the device on first use or by load(); with preload, each function is fully
+    loaded when its module is (finish_loading)."""
+
+    def __init__(self, device_id: int, preload: bool):
+        self.device_id, self.preload = device_id, preload
+        self.modules: Dict[str, Dict[str, cupy.RawKernel]] = {}
+        self.kernels: Dict[str, cupy.RawKernel] = {}
+
+    def load(self, *modules: str) -> None:
+        with DeviceScope(self.device_id):
+            for name in modules or tuple(MODULES):
+                self._module_kernels(name)
+
+    def state(self) -> dict:
+        kernels = {name: function_loaded(kernel.kernel.ptr)
+                   for loaded in self.modules.values() for name, kernel in loaded.items()}
+        return {"mode": module_loading_mode(), "kernels": kernels}
+
+    def _module_kernels(self, module: str) -> Dict[str, cupy.RawKernel]:
+        loaded = self.modules.get(module)
+        if loaded is None:
+            raw = cupy.RawModule(code=module_source(module), options=KERNEL_OPTIONS)
+            loaded = {}
+            for name in MODULES[module].kernels:
+                kernel = loaded[name] = raw.get_function(name)
+                if self.preload:
+                    finish_loading(kernel.kernel.ptr)
+            self.modules[module] = loaded
+        return loaded
+
+    def kernel(self, name: str) -> cupy.RawKernel:
+        kernel = self.kernels.get(name)
+        if kernel is None:
+            kernel = self.kernels[name] = self._module_kernels(module_of(name))[name]
+        return kernel
+
+
 class CudaBackend:
     """CuPy streams and events, pinned host buffers, and the pipeline RawKernels.
 
@@ -577,16 +663,14 @@ class CudaBackend:
             # nothing that can wait for the device may run then.
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._streams: "weakref.WeakSet[cupy.cuda.Stream]" = weakref.WeakSet()
-        self._modules: Dict[str, Dict[str, cupy.RawKernel]] = {}
+        self._loaded = KernelModules(self.device_id, self.preload)
         self._graphs: dict = {}
         self._graph_buffers: dict = {}
         self._graph_keys: dict = {}     # a plan's buffer addresses -> a small int (its graphs' keys hash that)
-        self._memo_cache: dict = {}
+        self._memo = Memo()
         self._copy_ptrs: dict = {}
-        self._kernels: dict = {}
         self._events: List[int] = []        # idle event handles of this device (CudaEvent)
         weakref.finalize(self, _destroy_events, self._events)
-        self._clock_khz: Optional[int] = None
         # (event, objects): buffers that enqueued work may still read (pinned staging, inputs of a launch on
         # another stream); dropped once the event recorded after that work has completed. See keep_until.
         self._keep: List[tuple] = []
@@ -635,7 +719,7 @@ class CudaBackend:
         self.load_kernels("gate")            # now, before anything is held
         ptr = _new_gate_words()
         gate = CudaGate(ptr)
-        max_cycles = int(timeout_s * self._clock_rate_khz() * 1000)
+        max_cycles = int(timeout_s * clock_rate_khz(self.device_id) * 1000)
         # Under unified addressing the host pointer of mapped pinned memory is valid on the device.
         with self.device_context():
             self._kernel("cupykv_gate")((1,), (1,), (np.uint64(ptr), np.uint64(ptr + 4), np.int64(max_cycles)),
@@ -849,35 +933,7 @@ class CudaBackend:
         plan.StepPlan for the buffers; CudaStepPlan for what run() costs)."""
         return CudaStepPlan(self, twin, buffers, shared)
 
-    def capture_step_graphs(self, plans: Iterable["CudaStepPlan"], seqs_buckets: Sequence[int],
-                            tokens_buckets: Sequence[int], min_copy_words: int = GRAPH_MIN_COPY_WORDS,
-                            modes: Sequence[int] = (MODE_FULL, MODE_DELTA)) -> int:
-        """Capture now every step graph that these plans (one per ring-slot twin) can need, so that
-        prepare_batch only replays.
-
-        Their number is bounded: slots x modes x batch buckets x token buckets x copy buckets (a DELTA graph's
-        batch bucket is that of its rebuilt entries: none, or up to half of the largest batch bucket). Copy
-        buckets are the powers of two from min_copy_words, capped at each slot's capacity (pow2_buckets),
-        which is how staging.graph_buckets rounds a step's copy size; pass the batch and token buckets the
-        same way. Call while nothing holds the device, e.g. when the
-        manager is made. Graphs already captured are skipped; returns how many were captured now. A slot
-        added or grown later captures on first use.
-        """
-        captured = 0
-        for plan in plans:
-            for mode in modes:
-                delta = int(mode) == MODE_DELTA
-                half = pow2_at_least(seqs_buckets[-1] // 2)       # DELTA rebuilds at most half the batch
-                for seqs in ([0] + [b for b in seqs_buckets if b <= half] if delta else seqs_buckets):
-                    for tokens in tokens_buckets:
-                        for copy_words in pow2_buckets(min_copy_words, plan.capacity):
-                            captured += plan.capture(int(mode), (copy_words, seqs, tokens))
-        return captured
-
-    def _graph_key_id(self, buffers: tuple) -> int:
-        """A small int for a plan's buffer addresses and sizes: the part of its graphs' keys fixed for the life
-        of the plan (hashing the addresses at every replay would cost the host more than the lookup)."""
-        return self._graph_keys.setdefault(buffers, len(self._graph_keys))
+    capture_step_graphs = staticmethod(capture_step_graphs)     # (the module's function: it needs only the plans)
 
     @property
     def num_step_graphs(self) -> int:
@@ -956,18 +1012,7 @@ class CudaBackend:
         self.keep_until(event, host, dev)
         return host, event
 
-    # -- internals -----------------------------------------------------------------------------
-    def _memo(self, tag: str, buffers: tuple, make):
-        """make() once per (tag, buffers by identity). A manager's buffers are fixed for its life, so each
-        step's calls skip re-validating them and re-reading their pointers. The entry holds the buffers, so their ids cannot be reused while it exists."""
-        key = (tag,) + tuple(map(id, buffers))
-        hit = self._memo_cache.get(key)
-        if hit is None:
-            if len(self._memo_cache) >= MEMO_ENTRIES:
-                self._memo_cache.clear()     # buffers replaced over time (grown ring slots, tests) are let go
-            hit = self._memo_cache[key] = (make(), buffers)
-        return hit[0]
-
+    # -- kernels -------------------------------------------------------------------------------
     def load_kernels(self, *modules: str) -> None:
         """Compile and fully load kernel modules now: 'step', 'kv_write', 'tier_copy', 'gate' (default: all).
 
@@ -976,42 +1021,13 @@ class CudaBackend:
         synchronize the context: call this while no stream of the process is held (before a gate, before
         long consumer work). A module not loaded here is loaded on the first use of one of its kernels.
         """
-        with self.device_context():
-            for name in modules or tuple(MODULES):
-                self._module_kernels(name)
+        self._loaded.load(*modules)
 
     def kernel_loading_state(self) -> dict:
         """Diagnostics: {'mode': module_loading_mode(), 'kernels': {kernel: fully loaded?}} for the modules
         this backend has loaded (None where the driver cannot tell)."""
-        kernels = {name: function_loaded(kernel.kernel.ptr)
-                   for loaded in self._modules.values() for name, kernel in loaded.items()}
-        return {"mode": module_loading_mode(), "kernels": kernels}
-
-    def _module_kernels(self, module: str) -> Dict[str, cupy.RawKernel]:
-        loaded = self._modules.get(module)
-        if loaded is None:
-            raw = cupy.RawModule(code=module_source(module), options=KERNEL_OPTIONS)
-            loaded = {}
-            for name in MODULES[module].kernels:
-                kernel = loaded[name] = raw.get_function(name)
-                if self.preload:
-                    finish_loading(kernel.kernel.ptr)
-            self._modules[module] = loaded
-        return loaded
+        return self._loaded.state()
 
     def _kernel(self, name: str) -> cupy.RawKernel:
         """The named kernel; its module is compiled and loaded on first use (load_kernels)."""
-        kernel = self._kernels.get(name)
-        if kernel is None:
-            kernel = self._kernels[name] = self._module_kernels(module_of(name))[name]
-        return kernel
-
-    def _clock_rate_khz(self) -> int:
-        if self._clock_khz is None:
-            try:
-                self._clock_khz = int(runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, self.device_id))
-            except Exception:
-                self._clock_khz = 0
-            if self._clock_khz <= 0:
-                self._clock_khz = 2_000_000   # a fast SM clock: the timeout errs on the long side
-        return self._clock_khz
+        return self._loaded.kernel(name)

@@ -11,10 +11,19 @@ its arguments packed once and raw CUDA calls.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 # (copy words, batch bucket, token bucket) of a graph replay (staging.graph_buckets), or None: no graph.
 GraphBuckets = Optional[Tuple[int, int, int]]
+
+
+class Route(NamedTuple):
+    """How a step's snapshot travels, decided once per step (StepPlan.route)."""
+    launch: object          # the CUDA plan's inline launch (words, PackedLaunch) carrying it, or None
+    reads_slot: bool        # run() leaves work on the stream that reads the ring slot's host buffer (the
+                            # copy): the slot may be written again only after run()'s event; False where the
+                            # snapshot travels in the launch itself, copied by the driver at enqueue
+    h2d_words: int          # snapshot words taken to the device (a graph replay copies its bucket)
 
 
 class StepPlan:
@@ -34,25 +43,20 @@ class StepPlan:
         """Whether this plan is still right for `twin` (its buffers were not replaced by a grown slot)."""
         return self.twin is twin and self.dev is twin.dev and self.host is twin.host
 
-    def h2d_words(self, words: int, graph: GraphBuckets = None) -> int:
-        """The snapshot words that run() takes to the device: the copy's (a graph replay copies its bucket)."""
-        return graph[0] if graph is not None else words
-
-    def reads_slot(self, words: int, graph: GraphBuckets = None) -> bool:
-        """Whether run() leaves work on the stream that reads the ring slot's host buffer (the copy): then the
-        slot may be written again only after run()'s event. False where the snapshot travels in the launch
-        itself, which the driver copies when it enqueues the launch."""
-        return True
+    def route(self, words: int, graph: GraphBuckets = None) -> Route:
+        """How a step of `words` snapshot words (and these graph buckets) travels: here always a copy."""
+        return Route(None, True, graph[0] if graph is not None else words)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
-            graph: GraphBuckets = None):
+            graph: GraphBuckets = None, route: Optional[Route] = None):
         """Enqueue the step on `stream` and return its ready event (recorded after all of it).
 
         words: snapshot words to copy; num_cells: changed table cells (no apply launch when 0);
         num_entries / num_tokens: the entries written whole (FULL: the batch, padding included; DELTA: the
         rebuilt ones) and the new tokens (they size the grids; the kernels read the true counts from the
         snapshot). graph: run the step as the graph of these buckets does (copy graph[0] words, apply with
-        a fixed grid, size the build for the buckets); the CUDA plan replays that graph.
+        a fixed grid, size the build for the buckets); the CUDA plan replays that graph. route: the
+        step's route(words, graph), when the caller has it.
         """
         be, (mirror, out, row_entry, pages, offsets, consts) = self.backend, self.buffers
         if graph is not None:       # what a captured graph holds: its bucket's copy, an apply whatever the count

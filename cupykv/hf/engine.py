@@ -134,7 +134,8 @@ class Engine:
         if backend == "host" and self.device.type != "cpu":
             raise InvalidRequestError(f"backend='host' keeps the KV in host memory: the model must be on the CPU "
                                       f"(it is on {self.device}); use backend='cuda'")
-        if attention == "auto":
+        auto = attention == "auto"
+        if auto:
             attention = "triton" if self.device.type == "cuda" and triton_available(self.device) else "torch"
         if attention not in ("torch", "triton"):
             raise InvalidRequestError(f"attention={attention!r}: 'auto', 'triton' or 'torch'")
@@ -154,6 +155,11 @@ class Engine:
                                                    memory_bytes)
         spec = spec_from_config(config, **spec_args)
         self.spec = spec
+        if attention == "triton" and spec.head_dim & (spec.head_dim - 1):     # the kernel tiles head_dim whole
+            if not auto:
+                raise InvalidRequestError(f"attention='triton': head_dim {spec.head_dim} is not a power of two "
+                                          "(the Triton kernel needs one); use attention='torch'")
+            self.attention = "torch"
         register()
         self._probe()                   # refuses a model it cannot serve before anything is allocated
         self.mgr = KVCacheManager(spec, backend=backend, use_graphs=use_graphs)
