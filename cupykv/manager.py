@@ -181,6 +181,10 @@ class KVCacheManager:
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self.requests.get(rid)
+        if req.parked in ("sending", "receiving"):
+            raise StepOrderError(f"request {rid!r} is {req.parked}: a transport may still touch its slots; "
+                                 f"call KVTransfers.{'sent or unsend' if req.parked == 'sending' else 'unreceive'} "
+                                 "first")
         loading = self.requests.loading.get(req.row)
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
