@@ -16,8 +16,10 @@ with the window, medium "GPU". Block hashes are 64-bit unsigned ints by default 
 cupykv's 16-byte hash, big-endian), or the 16 raw bytes (int_hashes=False): vLLM's ExternalBlockHash is
 either. A block evicted to the host tier stays stored: a hit on it brings it back.
 
-publish: a ZMQ PUB socket sends (topic, sequence number as 8 bytes big-endian, payload), as vLLM's
-ZmqEventPublisher does (the `events` extra: msgpack and pyzmq; neither is imported by cupykv's core).
+publish: a ZMQ publisher socket sends (topic, sequence number as 8 bytes big-endian, payload), as vLLM's
+ZmqEventPublisher does (the `events` extra: msgpack and pyzmq; neither is imported by cupykv's core). It is
+an XPUB socket (a PUB that also hands out its subscribers' subscriptions), so wait_for_subscriber() can
+hold the first batch until someone listens: a PUB drops what it sends before a subscription arrives.
 """
 from __future__ import annotations
 
@@ -111,12 +113,19 @@ class KVEventPublisher:
                                       "CacheSpec(..., prefix_caching=True, prefix_events=True)")
         self.manager, self.topic = manager, topic.encode()
         self.data_parallel_rank, self.int_hashes = data_parallel_rank, int_hashes
-        self.socket = (context or zmq.Context.instance()).socket(zmq.PUB)
+        self.socket = (context or zmq.Context.instance()).socket(zmq.XPUB)
         if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
             self.socket.bind(endpoint)
         else:
             self.socket.connect(endpoint)
         self.sequence = 0
+
+    def wait_for_subscriber(self, timeout_s: float = 10.0) -> bool:
+        """Wait until a subscriber's subscription has arrived (or timeout_s passed); returns whether one has."""
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return False
+        self.socket.recv()          # the subscription frame (b"\x01" + its topic)
+        return True
 
     def publish(self) -> int:
         """Send the events since the last call as one batch; returns how many events it held."""
@@ -129,4 +138,5 @@ class KVEventPublisher:
         return len(events)
 
     def close(self) -> None:
+        """Close the socket (batches not yet delivered are dropped)."""
         self.socket.close(linger=0)

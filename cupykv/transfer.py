@@ -123,12 +123,14 @@ class TransferMeta:
     tokens: Optional[List[int]] = None
 
     def to_dict(self) -> dict:
+        """The meta as plain data (ints, strings, lists, dicts): msgpack or JSON carry it to a receiver."""
         return dict(transfer_id=self.transfer_id, request_id=self.request_id, prompt_len=self.prompt_len,
                     history=self.history, blocks=self.blocks, source=self.source, layout=self.layout,
                     tokens=self.tokens)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TransferMeta":
+        """The meta from to_dict()'s form; InvalidRequestError naming the fields it lacks."""
         missing = [k for k in ("transfer_id", "request_id", "prompt_len", "history", "blocks", "source", "layout")
                    if k not in d]
         if missing:

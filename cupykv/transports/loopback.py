@@ -21,9 +21,11 @@ class LoopbackRead:
         self.event, self.nbytes = event, nbytes
 
     def done(self) -> bool:
+        """Whether the copies have run."""
         return self.event.done()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait on the host for the copies (up to timeout seconds; None: as long as it takes); whether they ran."""
         return self.event.wait(timeout)
 
 

@@ -49,6 +49,7 @@ def nixl_api():
 
 
 def nixl_available() -> bool:
+    """Whether the nixl package can be imported here."""
     try:
         nixl_api()
         return True
@@ -96,6 +97,7 @@ class NixlRead:
         return state
 
     def done(self) -> bool:
+        """Whether the READ has ended (poll() is "DONE" or "ERR")."""
         return self.poll() != "PROC"
 
     def wait(self, timeout: Optional[float] = None) -> str:
