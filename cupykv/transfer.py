@@ -244,11 +244,18 @@ class KVTransfers:
         self.manager.requests.unpark(self.manager.request(rid).row)
 
     def _outgoing(self, rid: RequestId) -> Outgoing:
+        return self._record(self.sending, rid, "sent")
+
+    def _incoming(self, rid: RequestId) -> "Incoming":
+        return self._record(self.receiving, rid, "received")
+
+    def _record(self, records: dict, rid: RequestId, what: str):
+        """The live request's record in `records`, or InvalidRequestError (UnknownRequestError if unknown)."""
         self.manager.request(rid)
         try:
-            return self.sending[rid]
+            return records[rid]
         except (KeyError, TypeError):
-            raise InvalidRequestError(f"request {rid!r} is not being sent") from None
+            raise InvalidRequestError(f"request {rid!r} is not being {what}") from None
 
     # -- the receiver ----------------------------------------------------------------------------
     def receive(self, meta: Union[TransferMeta, Mapping], rid: Optional[RequestId] = None) -> Incoming:
@@ -309,13 +316,6 @@ class KVTransfers:
         if stopped is not None:
             reqs.loading[row] = stopped         # free() fences the slots on it
         self.manager.free(rid)
-
-    def _incoming(self, rid: RequestId) -> Incoming:
-        self.manager.request(rid)
-        try:
-            return self.receiving[rid]
-        except (KeyError, TypeError):
-            raise InvalidRequestError(f"request {rid!r} is not being received") from None
 
     def stats(self) -> dict:
         """Requests being sent and received now, and the bytes moved by completed transfers."""
