@@ -27,13 +27,13 @@ managers' books, and neither side's slots are reused while the transport may tou
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .args import as_count, token_ids
-from .errors import CapacityExceededError, CupykvError, InvalidRequestError, StepOrderError
+from .errors import CapacityExceededError, CupykvError, InvalidRequestError
 from .requests import RequestId
 
 

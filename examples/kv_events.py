@@ -12,7 +12,6 @@ is one, on the host backend otherwise; needs the `events` extra (msgpack, pyzmq)
 import argparse
 import sys
 
-import numpy as np
 
 import cupykv
 

@@ -4,7 +4,6 @@ against the prompts' own tokens: each stored event's blocks chain from its paren
 that were hashed."""
 from typing import Any, List, Optional, Union
 
-import numpy as np
 import pytest
 
 import cupykv

@@ -96,12 +96,18 @@ def one_transfer(kind: str, sender: KVTransfers, receiver: KVTransfers, agents, 
         from ..transports import LoopbackTransport
         inc = receiver.receive(meta)
         cuda = receiver.storage.memory_kind == "VRAM"
-        start = receiver.storage.backend.record(receiver.stream) if cuda else None
+        marks = _timing_events(2) if cuda else None     # (the pool's events do not time)
+        if cuda:
+            marks[0].record(receiver.stream)
         t_start = time.perf_counter()
         read = LoopbackTransport(sender, receiver).read(out, inc)
         t_post = time.perf_counter() - t0
+        if cuda:
+            marks[1].record(receiver.stream)
         read.wait()
-        wall = _elapsed(start, read.event) if cuda else time.perf_counter() - t_start
+        if cuda:
+            marks[1].synchronize()
+        wall = cupy_elapsed(marks) if cuda else time.perf_counter() - t_start
         t0 = time.perf_counter()
         receiver.received("r", ready=read.event)
         t_received = time.perf_counter() - t0
@@ -116,16 +122,15 @@ def one_transfer(kind: str, sender: KVTransfers, receiver: KVTransfers, agents, 
                 received_us=None if t_received is None else t_received * 1e6, sent_us=t_sent * 1e6)
 
 
-def _elapsed(start, end) -> float:
+def _timing_events(n: int) -> list:
     import cupy
-    return cupy.cuda.get_elapsed_time(_cupy_event(start), _cupy_event(end)) / 1e3
+    return [cupy.cuda.Event() for _ in range(n)]
 
 
-def _cupy_event(event):
+def cupy_elapsed(marks) -> float:
+    """Seconds between two recorded, completed cupy.cuda.Events."""
     import cupy
-    e = cupy.cuda.Event.__new__(cupy.cuda.Event)
-    e.ptr = event.ptr
-    return e
+    return cupy.cuda.get_elapsed_time(marks[0], marks[1]) / 1e3
 
 
 def plain_copy(nbytes: int, repeat: int) -> List[float]:
