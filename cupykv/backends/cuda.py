@@ -412,9 +412,11 @@ class CudaStepPlan(StepPlan):
                 host, fixed, np.int64(mirror.size), self._sync))
             # An inline kernel's driver copy reads its whole snapshot struct at the slot's address: only the
             # kernels whose struct the slot holds (smallest first, as (words, launch)).
-            self._inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
+            inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
                 host.value, fixed, np.int64(mirror.size), self._sync)))
                 for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
+        # (words, the route of a step that fits it): made once, a step only picks one
+        self._inline_routes = [(inline[0], Route(inline, False, inline[0])) for inline in inlines]
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]), int(consts.num_layers))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -435,11 +437,11 @@ class CudaStepPlan(StepPlan):
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
         snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
         replay (docs/host_profile.md in git history, "Small steps launch inline under graphs too")."""
-        kernels = (self._inlines if graph is None else
-                   self._inlines[:1] if self.small_steps_inline_under_graphs else ())
-        for inline in kernels:
-            if words <= inline[0]:
-                return Route(inline, False, inline[0])
+        routes = (self._inline_routes if graph is None else
+                  self._inline_routes[:1] if self.small_steps_inline_under_graphs else ())
+        for fits, route in routes:
+            if words <= fits:
+                return route
         return super().route(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
