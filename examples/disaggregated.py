@@ -196,6 +196,9 @@ def run_nixl(backend: str, processes: int) -> int:
         child.start()
         where = "two agents in one process"
     failed, read, worst = nixl_decode(backend, here)
+    if not here.poll(120):
+        print("the sending side did not report back")
+        return 1
     _, ended, still_there = here.recv()
     here.send("bye")
     child.join(60)
