@@ -16,7 +16,9 @@ import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import cupy
-import cupyx
+# (bound now: cupyx is a lazy module, and two threads that first touch it at once can find its attributes
+# missing, as two managers made in two threads did)
+from cupyx import empty_pinned, zeros_pinned
 import numpy as np
 from cupy.cuda import driver, runtime
 
@@ -539,7 +541,7 @@ def _zeros_pinned(count: int, dtype) -> np.ndarray:
     """cupyx.zeros_pinned, with a failure to pin the memory raised as the MemoryError it is (CUDA reports
     it as a runtime error), as a device allocation that does not fit is."""
     try:
-        return cupyx.zeros_pinned(count, dtype)
+        return zeros_pinned(count, dtype)
     except runtime.CUDARuntimeError as e:
         if e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
             raise
@@ -741,7 +743,7 @@ class CudaBackend:
 
     def pinned_temp(self, words: int) -> np.ndarray:
         """A fresh pinned buffer from CuPy's pool (only for the documented unsafe staging mode)."""
-        return cupyx.empty_pinned(words, np.int32)
+        return empty_pinned(words, np.int32)
 
     def device_empty(self, words: int) -> cupy.ndarray:
         """A zeroed device int32 buffer, initialised in order on the manager stream."""
@@ -830,7 +832,7 @@ class CudaBackend:
     def _copy_runs_by_kernel(self, dst, src, table: np.ndarray, unit_bytes: int, stream: cupy.cuda.Stream,
                              blocks: int) -> None:
         """One cupykv_copy_runs launch of `blocks` blocks for a checked [num_runs, 3] table (run_table) in units."""
-        pinned = cupyx.empty_pinned(table.shape, np.int64)
+        pinned = empty_pinned(table.shape, np.int64)
         np.multiply(table, unit_bytes, out=pinned)           # byte offsets and sizes
         with self.device_context():
             self._kernel("cupykv_copy_runs")((blocks,), (TIER_COPY_THREADS,), (
@@ -995,7 +997,7 @@ class CudaBackend:
         elif not out.flags.c_contiguous or out.nbytes != host.nbytes:
             raise ValueError(f"upload_async: out must be contiguous with {host.nbytes} bytes")
         if host.nbytes:
-            staging = cupyx.empty_pinned(host.shape, host.dtype)
+            staging = empty_pinned(host.shape, host.dtype)
             staging[...] = host
             runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, host.nbytes, runtime.memcpyHostToDevice,
                                 stream.ptr)
@@ -1007,7 +1009,7 @@ class CudaBackend:
         array holds the data once the event has completed; it is kept alive until then even if dropped."""
         if not dev.flags.c_contiguous:
             raise ValueError("download_async: needs a contiguous device array")
-        host = cupyx.empty_pinned(dev.shape, dev.dtype)
+        host = empty_pinned(dev.shape, dev.dtype)
         if dev.nbytes:
             runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
         event = self.record(stream)
