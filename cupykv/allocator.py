@@ -258,3 +258,20 @@ class CachingSlotPool(SlotPool):
     def state(self) -> tuple:
         return super().state() + (self.refs.tobytes(), self.qtag.tobytes(), self.hashed.tobytes(),
                                   tuple(self._evictable))
+
+
+def run_starts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Indices (int64) where the maximal runs of a and b both stepping by one start."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    if not len(a):
+        return np.empty(0, np.int64)
+    return np.flatnonzero(np.concatenate(([True], (np.diff(a) != 1) | (np.diff(b) != 1))))
+
+
+def slot_runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int64 [num_runs, 3] rows (a0, b0, n): the maximal runs where a and b both step by one, each moved as
+    one piece (of a copy_runs, or one transfer descriptor). One numpy pass: a fragmented 128k request has
+    4096 runs a group."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    starts = run_starts(a, b)
+    return np.stack((a[starts], b[starts], np.diff(np.append(starts, len(a)))), axis=1)

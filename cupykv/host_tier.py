@@ -25,7 +25,7 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 
 import numpy as np
 
-from .allocator import SlotPool
+from .allocator import SlotPool, slot_runs
 from .errors import CupykvError, InvalidRequestError, InvalidSpecError
 
 
@@ -38,16 +38,6 @@ class _Suspended:
     blocks: List[np.ndarray]         # per group: block ordinals that held a slot
     host_slots: List[np.ndarray]     # per group: where they went in the host pool
     copied: object                   # event after the D2H copies
-
-
-def _runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """int64 [num_runs, 3] rows (a0, b0, n): the maximal runs where a and b both step by one, each moved as
-    one piece of a copy_runs. One numpy pass: a fragmented 128k request has 4096 runs a group."""
-    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
-    if not len(a):
-        return np.empty((0, 3), np.int64)
-    starts = np.flatnonzero(np.concatenate(([True], (np.diff(a) != 1) | (np.diff(b) != 1))))
-    return np.stack((a[starts], b[starts], np.diff(np.append(starts, len(a)))), axis=1)
 
 
 class HostTier:
@@ -183,7 +173,7 @@ class HostTier:
     # -- internals -------------------------------------------------------------------------------
     def _copy(self, p: int, dev_slots: np.ndarray, host_slots: np.ndarray, to_host: bool) -> None:
         dev, host = self.storage.arrays[p], self.pools[p]
-        runs = _runs(dev_slots, host_slots)       # (device slot, host slot, n)
+        runs = slot_runs(dev_slots, host_slots)       # (device slot, host slot, n)
         moved = len(host_slots) * self.slot_bytes[p]
         if to_host:
             self.backend.copy_runs(host, dev, runs[:, [1, 0, 2]], self.slot_bytes[p], self.stream)

@@ -181,6 +181,10 @@ class KVCacheManager:
     def free(self, rid: RequestId) -> None:
         """Release every slot of the request (quarantined until the steps that may read them finish)."""
         req = self.requests.get(rid)
+        if req.parked in ("sending", "receiving"):
+            raise StepOrderError(f"request {rid!r} is {req.parked}: a transport may still touch its slots; "
+                                 f"call KVTransfers.{'sent or unsend' if req.parked == 'sending' else 'unreceive'} "
+                                 "first")
         loading = self.requests.loading.get(req.row)
         # A copy back (resume, host-tier hits) that no step has waited for yet may still write its slots.
         tag = self.ledger.record_fence(loading) if loading is not None else self.ledger.last_prepared
@@ -400,14 +404,18 @@ class KVCacheManager:
                     prefix_cache=self.prefix.stats(),
                     host_tier=self.host_tier.stats() if self.host_tier is not None else None)
 
-    def drain_cache_events(self) -> List[Tuple[str, int, bytes]]:
+    def drain_cache_events(self, detail: bool = False) -> List[tuple]:
         """The blocks stored in and removed from the prefix cache since the last call, in order:
-        ("stored" | "removed", group, block hash (16 bytes)). Needs CacheSpec(prefix_caching=True,
-        prefix_events=True): the manager keeps the events until they are drained."""
+        ("stored" | "removed", group, block hash (16 bytes)). detail: stored events also carry the parent
+        block's hash (None for a sequence's first block) and the block's tokens (int64 little-endian bytes),
+        (kind, group, hash, parent, tokens), what cupykv.kv_events turns into vLLM's wire format. Needs
+        CacheSpec(prefix_caching=True, prefix_events=True): the manager keeps the events until they are
+        drained. A block evicted to the host tier stays stored (a hit brings it back)."""
         if not self.spec.prefix_events:
             raise InvalidRequestError("drain_cache_events: the prefix cache records no events; make the manager with "
                                       "CacheSpec(..., prefix_caching=True, prefix_events=True) and drain them regularly")
-        return self.cache.drain_events()
+        events = self.cache.drain_events()
+        return events if detail else [e[:3] for e in events]
 
     def verify_mirror(self) -> None:
         """Debug: wait for the manager stream and check the device mirror against the host table."""

@@ -100,8 +100,8 @@ class StepPlanner:
         row_start = self.page_table.row_start
         for rid, n in ctx_items:          # few per step, checked one by one
             row = reqs.get(rid).row
-            if reqs.suspended[row]:
-                raise InvalidRequestError(f"request {rid!r} is suspended: resume it before scheduling it")
+            if reqs.parked[row]:
+                reqs.check_schedulable(rid, row)
             if row in ctx_rows:
                 raise DuplicateRequestError(f"request {rid!r} appears twice in one step")
             n = as_count(n, f"request {rid!r}: context chunk", minimum=1, maximum=spec.max_seq_len)

@@ -65,6 +65,9 @@ class CachedSeq:
     published: int = 0                   # blocks [0, published) were offered, in every group
     margin: List = field(default_factory=list)    # per group: (block, slot) released last, hash kept
     ranges: Dict = field(default_factory=dict)    # group -> the retained block ranges, a list of (lo, hi)
+    # with events recorded: each hashed block's tokens (little-endian int64 bytes) until it is published,
+    # for the stored event (a router rebuilds the prefix from them); None: not kept
+    block_tokens: Optional[List[Optional[bytes]]] = None
 
     def parent(self, fingerprint: bytes) -> bytes:
         """The hash the request's next block chains from (h_{-1} before its first block)."""
@@ -79,6 +82,8 @@ class CachedSeq:
         for at in range(0, full * step, step):         # (a long prompt: thousands of blocks, one chain)
             parent = _h(parent, salt, raw[at:at + step])
             append(parent)
+        if self.block_tokens is not None:
+            self.block_tokens += [bytes(raw[at:at + step]) for at in range(0, full * step, step)]
         return tokens[full * tpb:]
 
 
@@ -113,9 +118,10 @@ class PrefixCache:
         # (one array for all rows, so a step's reported tokens are appended in a few numpy operations)
         self.tail_tokens = np.zeros((layout.spec.max_batch, self.tpb), "<i8")     # hashed as little-endian int64
         self.tail_len = np.zeros(layout.spec.max_batch, np.int64)
-        # (kind, group, hash) of every block stored or removed, kept until drained; None: not recorded
-        # (CacheSpec.prefix_events: only a caller that drains them should keep them)
-        self.events: Optional[List[Tuple[str, int, bytes]]] = [] if events else None
+        # every block stored or removed, kept until drained (None: not recorded; CacheSpec.prefix_events: only a
+        # caller that drains them should keep them): (STORED, group, hash, parent hash or None, its tokens as
+        # little-endian int64 bytes) or (REMOVED, group, hash)
+        self.events: Optional[List[tuple]] = [] if events else None
         self._event = self.events.append if events else _ignore
         self.queries = self.query_tokens = self.hit_tokens = 0
         self.host = None                                  # a HostTier taking evicted blocks (attach_host)
@@ -133,7 +139,7 @@ class PrefixCache:
     # -- hashing and lookup ----------------------------------------------------------------------
     def new_seq(self, tokens: np.ndarray, salt: bytes, boundaries: List[int]) -> CachedSeq:
         """A request's sequence with its prompt's full blocks hashed."""
-        seq = CachedSeq(salt, [], None, boundaries)
+        seq = CachedSeq(salt, [], None, boundaries, block_tokens=[] if self.events is not None else None)
         seq.tail = seq.hash_blocks(tokens, self.tpb, self.fingerprint)
         return seq
 
@@ -317,6 +323,8 @@ class PrefixCache:
         for row in filled.tolist():
             seq = self.seqs[row]
             seq.hashes.append(_h(seq.parent(self.fingerprint), seq.salt, self.tail_tokens[row].data))
+            if seq.block_tokens is not None:
+                seq.block_tokens.append(self.tail_tokens[row].tobytes())
             self.tail_len[row] = 0
         for j in past:
             row, n = int(rows[j]), int(held[j])
@@ -338,17 +346,20 @@ class PrefixCache:
                 continue
             seq.published, hashes = full, seq.hashes[lo:full]
             for p, ((by_hash, names, host), slots) in enumerate(zip(groups, table[:, row, lo:full].tolist())):
-                for h, slot in zip(hashes, slots):
+                for b, (h, slot) in enumerate(zip(hashes, slots), lo):
                     if slot != BAD and h not in by_hash and slot not in names:   # (names: the slots pool.hashed marks)
                         by_hash[h] = slot
                         names[slot] = h
                         named[p].append(slot)
                         hs = host.pop(h, None)
                         if hs is None:
-                            self._event((STORED, p, h))
+                            self._event((STORED, p, h, seq.hashes[b - 1] if b else None,
+                                         seq.block_tokens[b] if seq.block_tokens is not None else None))
                         else:       # computed again while cached on the host: the device copy takes its place
                             del self.host_hash_of[p][hs]        # (the same hash, still stored: no event)
                             self.host.release_cache_slot(p, hs)
+            if seq.block_tokens is not None:           # offered in every group now: no later event needs them
+                seq.block_tokens[lo:full] = [None] * (full - lo)
             if lo < max(seq.boundaries) // self.tpb:    # a retained range reaches them (no decode block)
                 self._retain(seq, lo, full)
         for pool, slots in zip(self.pools, named):
@@ -476,7 +487,7 @@ class PrefixCache:
                 self._event((REMOVED, p, h))
 
     # -- introspection ---------------------------------------------------------------------------
-    def drain_events(self) -> List[Tuple[str, int, bytes]]:
+    def drain_events(self) -> List[tuple]:
         """The events recorded since the last drain (the cache records them: events=True)."""
         events = self.events.copy()     # (the list itself stays: _event appends to it)
         self.events.clear()

@@ -5,7 +5,7 @@ handful of numpy operations rather than a Python loop. A row's incarnation count
 can tell whether the request it scheduled in a row is still the one there.
 
 One counter, `moves`, is bumped by every operation that puts a request into a row or takes it out (add,
-free), or suspends or resumes it (set_suspended). Everything cached about rows compares it: the validated generation list, and settle's "every
+free), or parks or unparks it (park / unpark: suspended to the host tier, or being sent or received). Everything cached about rows compares it: the validated generation list, and settle's "every
 entry of the step is still live" shortcut. Another, `cap_writes`, is bumped by every write of a capacity
 (set_capacity, its one writer): the validated list's room, longest entry and phase order (GenBatch)
 compare it.
@@ -26,6 +26,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .step import Step
 
 RequestId = Hashable
+
+# Why a request may not be scheduled (RequestTable.park), and what to do about it.
+PARKED = {
+    "suspended": "resume it before scheduling it",
+    "sending": "its KV is being sent to another instance (KVTransfers.send); call sent() or unsend() first",
+    "receiving": "its KV is still arriving (KVTransfers.receive); call received() once the transport is done",
+}
 
 
 def frozen(a: np.ndarray) -> np.ndarray:
@@ -68,7 +75,13 @@ class Request:
     @property
     def suspended(self) -> bool:
         """True while its KV lives in the host tier (KVStorage.suspend) and it holds no device slot."""
-        return bool(self._table.suspended[self._live_row()])
+        return self.parked == "suspended"
+
+    @property
+    def parked(self) -> Optional[str]:
+        """Why it may not be scheduled now, or None: "suspended" (KVStorage.suspend), "sending" or
+        "receiving" (its KV is moving to or from another instance: transfer.KVTransfers)."""
+        return self._table.parked_as.get(self._live_row())
 
     @property
     def pending(self) -> List["Step"]:
@@ -189,7 +202,8 @@ class RequestTable:
         self.incarnation = np.zeros(rows, np.int64)
         self.last_scheduled = np.full(rows, -1, np.int64)          # id of the last step that scheduled the row
         self.stale_done = np.zeros((num_groups, rows), np.int64)   # per group: blocks below were released
-        self.suspended = np.zeros(rows, bool)                      # KV in the host tier, no device slots
+        self.parked = np.zeros(rows, bool)              # may not be scheduled: suspended, sending or receiving
+        self.parked_as: Dict[int, str] = {}             # row -> why (PARKED: its reason and what to do)
         self.loading: Dict[int, object] = {}            # row -> event after its KV's copy back (resume)
         self._sink_blocks = sink_blocks
         self.requests: Dict[RequestId, Request] = {}
@@ -234,7 +248,7 @@ class RequestTable:
         self.set_capacity(row, 0)
         self.prompt[row] = prompt_len
         self.last_scheduled[row] = -1
-        self.suspended[row] = False
+        self.parked[row] = False
         self.stale_done[:, row] = self._sink_blocks
         req = self.requests[rid] = Request(self, rid, row, int(self.incarnation[row]))
         self.row_of[rid] = row
@@ -251,14 +265,28 @@ class RequestTable:
         del self.row_of[rid]
         self.incarnation[req.row] += 1      # steps still holding the row now see it as someone else's
         self.loading.pop(req.row, None)
+        self.parked[req.row] = False
+        self.parked_as.pop(req.row, None)
         heapq.heappush(self.free_rows, req.row)
         self.moves += 1
         return req
 
-    def set_suspended(self, row: int, suspended: bool) -> None:
-        """A request leaves or re-enters device residence: a move (it may not be scheduled meanwhile)."""
-        self.suspended[row] = suspended
+    def park(self, row: int, reason: str) -> None:
+        """The row's request may not be scheduled until unpark (reason: a key of PARKED): a move."""
+        self.parked[row] = True
+        self.parked_as[row] = reason
         self.moves += 1
+
+    def unpark(self, row: int) -> None:
+        self.parked[row] = False
+        self.parked_as.pop(row, None)
+        self.moves += 1
+
+    def check_schedulable(self, rid: RequestId, row: int) -> None:
+        """InvalidRequestError unless the row's request may be scheduled (it is not parked)."""
+        reason = self.parked_as.get(row)
+        if reason is not None:
+            raise InvalidRequestError(f"request {rid!r} is {reason}: {PARKED[reason]}")
 
     # -- generation lists ------------------------------------------------------------------------
     @property
@@ -286,9 +314,9 @@ class RequestTable:
             raise UnknownRequestError(f"unknown request id {bad!r}") from None
         self._check_no_duplicates(gen_ids, rows, ctx_rows)
         # (counting the table's few hundred flags is one C call; most steps find none and skip the gather)
-        if np.count_nonzero(self.suspended) and self.suspended[rows].any():
-            i = int(np.argmax(self.suspended[rows]))
-            raise InvalidRequestError(f"request {gen_ids[i]!r} is suspended: resume it before scheduling it")
+        if np.count_nonzero(self.parked) and self.parked[rows].any():
+            i = int(np.argmax(self.parked[rows]))
+            self.check_schedulable(gen_ids[i], int(rows[i]))
         cap = self.cap[rows]
         unready = cap < self.prompt[rows]
         if unready.any():
@@ -318,5 +346,5 @@ class RequestTable:
                       tuple((k, tuple(a.tobytes() for a in v)) for k, v in sorted(r.scratch.items())))
                      for r in self.requests.values())
         arrays = tuple(a.tobytes() for a in (self.hist, self.cap, self.prompt, self.incarnation,
-                                             self.last_scheduled, self.stale_done, self.suspended))
-        return reqs, arrays, tuple(sorted(self.free_rows))
+                                             self.last_scheduled, self.stale_done, self.parked))
+        return reqs, arrays, tuple(sorted(self.free_rows)), tuple(sorted(self.parked_as.items()))

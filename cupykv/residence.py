@@ -56,8 +56,8 @@ class Residence:
         (its own, or another request's whose blocks it hit), and each step's finish comes after the
         previous one's."""
         req = self.requests.get(rid)
-        if req.suspended:
-            raise InvalidRequestError(f"request {rid!r} is already suspended")
+        if req.parked:
+            raise InvalidRequestError(f"request {rid!r} is already {req.parked}")
         pending = req.pending
         if pending:
             raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
@@ -77,7 +77,7 @@ class Residence:
         self.check_detach(rid)
         tag = self.ledger.record_fence(copied)
         self.release_row(req.row, tag)
-        self.requests.set_suspended(req.row, True)
+        self.requests.park(req.row, "suspended")
 
     def check_attach(self, rid: RequestId, counts: Sequence[int]) -> Request:
         """Raise unless the suspended request can get counts[p] device slots of every group p now (this
@@ -103,6 +103,48 @@ class Residence:
         loaded = copy_back(slots)
         for p, (b, s) in enumerate(zip(blocks, slots)):
             self.table.write(self.table.cells(p, req.row, b), s)
-        self.requests.set_suspended(req.row, False)
+        self.requests.unpark(req.row)
         self.requests.loading[req.row] = loaded
         return loaded
+
+    # -- transfers between managers (transfer.KVTransfers moves the bytes' descriptors; this keeps the books)
+    def visible_blocks(self, row: int, history: int) -> List[np.ndarray]:
+        """Per group, the blocks (int64, ascending) a query after `history` tokens can still see: every block
+        of a full-attention group, the sink blocks and the window of a sliding-window one."""
+        out = []
+        for g in self.layout.groups:
+            end = int(g.new_blocks(0, history)[1])
+            sinks = min(g.sink_blocks, end)
+            out.append(np.concatenate((np.arange(sinks), np.arange(max(sinks, int(g.stale_end(history))), end)))
+                       .astype(np.int64))
+        return out
+
+    def check_receive(self, rid: RequestId, blocks: Sequence[np.ndarray]) -> None:
+        """Raise unless a new request `rid` can get len(blocks[p]) device slots of every group p now (this
+        may wait for finish events whose quarantine would cover a shortfall)."""
+        for p, b in enumerate(blocks):
+            need = len(b)
+            if need > self.pools[p].num_available and need > self.ledger.available(p):
+                self.ledger.wait_for_slots(p, need)
+                if need > self.ledger.available(p):
+                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to receive its KV; "
+                                          f"{self.ledger.available(p)} free")
+
+    def receive(self, rid: RequestId, prompt_len: int, history: int, blocks: Sequence[np.ndarray]) -> Tuple[Request, List[np.ndarray]]:
+        """Add a request whose first `history` tokens' KV will arrive from elsewhere: it takes fresh slots for
+        blocks[p] of every group (the visible blocks at that history; check_receive passed), its history and
+        capacity are `history`, and it is parked "receiving". Returns it and its slots per group."""
+        self.ledger.poll()
+        req = self.requests.add(rid, prompt_len)
+        row = req.row
+        self.requests.hist[row] = history
+        self.requests.set_capacity(row, history)
+        slots = []
+        for g, b in zip(self.layout.groups, blocks):
+            s = self.pools[g.index].allocate(len(b))
+            self.table.write(self.table.cells(g.index, row, b), s)
+            slots.append(s)
+            # blocks below the window were never here: the window's release starts at its edge
+            self.requests.stale_done[g.index, row] = max(g.sink_blocks, int(g.stale_end(history)))
+        self.requests.park(row, "receiving")
+        return req, slots

@@ -105,6 +105,11 @@ def storage_words(xp, array, source: str, storage: str):
     return xp.ascontiguousarray(array.astype(storage, copy=False)).view(words)
 
 
+def _address(array) -> int:
+    """The first byte of a numpy or CuPy array."""
+    return int(array.ctypes.data) if isinstance(array, np.ndarray) else int(array.data.ptr)
+
+
 def _is_torch(array) -> bool:
     return type(array).__module__.partition(".")[0] == "torch"
 
@@ -239,6 +244,21 @@ class KVStorage:
         group = as_count(group, "KVStorage.null_pages: group", maximum=len(self.arrays) - 1)
         nulls = self.layout.null_slots
         return None if nulls is None else self.arrays[group][nulls[group]]
+
+    def regions(self) -> List[Tuple[int, int, int]]:
+        """Per group (address, bytes, slot bytes) of its KV array: slot s of group g is the slot-bytes bytes
+        at address + s * slot bytes (what a transport registers and addresses)."""
+        return [(_address(a), int(a.nbytes), int(a[0].nbytes)) for a in self.arrays]
+
+    @property
+    def memory_kind(self) -> str:
+        """Where the arrays live, in NIXL's words: "VRAM" (CUDA backend) or "DRAM" (host backend)."""
+        return "DRAM" if self.xp is np else "VRAM"
+
+    @property
+    def device_id(self) -> int:
+        """The CUDA device of the arrays (0 on the host backend)."""
+        return 0 if self.xp is np else int(self.backend.device_id)
 
     @property
     def nbytes(self) -> int:

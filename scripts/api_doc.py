@@ -84,6 +84,27 @@ def build() -> str:
                  "csr_views", "cupy_stream"):
         lines += section_function(getattr(interop, name), "interop.")
     lines += section_class(interop.CsrViews, "interop.CsrViews")
+    from cupykv import kv_events, transfer, transports
+    from cupykv.transports import loopback, nixl
+    lines += ["## KV transfer between managers (`cupykv.transfer`, `cupykv.transports`)", "", doc(transfer), ""]
+    lines += section_class(transfer.KVTransfers, "transfer.KVTransfers")
+    for cls in (transfer.TransferMeta, transfer.Descriptors, transfer.Outgoing, transfer.Incoming):
+        lines += section_class(cls, "transfer." + cls.__name__)
+    lines += section_function(transfer.layout_signature, "transfer.")
+    lines += [f"- **`transfer.TransferLayoutError`**: " + doc(transfer.TransferLayoutError), ""]
+    lines += ["### Transports", "", doc(transports), "", doc(loopback), ""]
+    lines += section_class(transports.LoopbackTransport, "transports.LoopbackTransport")
+    lines += section_class(loopback.LoopbackRead, "transports.loopback.LoopbackRead")
+    lines += [doc(nixl), ""]
+    lines += section_class(nixl.NixlAgent, "transports.nixl.NixlAgent")
+    lines += section_class(nixl.NixlRead, "transports.nixl.NixlRead")
+    lines += section_function(nixl.nixl_available, "transports.nixl.")
+    lines += [f"- **`transports.nixl.NixlUnavailableError`**: " + doc(nixl.NixlUnavailableError), ""]
+    lines += ["## KV events for routers (`cupykv.kv_events`)", "", doc(kv_events), ""]
+    lines += section_class(kv_events.KVEventPublisher, "kv_events.KVEventPublisher")
+    for fn in (kv_events.vllm_events, kv_events.event_batch, kv_events.encode):
+        lines += section_function(fn, "kv_events.")
+    lines += [f"- **`kv_events.EventsUnavailableError`**: " + doc(kv_events.EventsUnavailableError), ""]
     try:
         import cupykv.hf as hf
     except ImportError:

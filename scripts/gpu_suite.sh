@@ -2,7 +2,7 @@
 # The GPU suite: tests, examples, sanitizer runs and (optionally) the benchmark, on a machine with a GPU.
 # Logs go to $OUT (or ./gpu_logs). Usage: scripts/gpu_suite.sh [tests|gpu-tests] [sanitize]
 # [flashinfer] [breakdown] [segments] [examples] [bench] [bench-prefix] [bench-host-tier] [bench-devices]
-# [kv-content] [hf] [serve] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [census]
+# [kv-content] [hf] [serve] [transfer] [profile] [ab] [ab-workload] [profile-ab] [segments-ab] [dram-ab] [census]
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupykv_cache}
@@ -51,6 +51,20 @@ for part in $parts; do
       run hf timeout ${HF_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider tests/test_hf.py \
           tests/test_hf_triton.py -k "cuda or bf16"
       run hf_example timeout 120 python3 examples/hf_generate.py ;;
+    transfer)   # KV transfer on the GPU: NIXL from a carried wheel in .whl/ (if any), the transfer tests on CUDA,
+                # the example (two processes, two agents in one process, loopback), the transfer benchmark
+      if ls .whl/nixl*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/nixl*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+      fi
+      run transfer_tests timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_transfer.py \
+          tests/test_transfer_nixl.py -k cuda
+      run transfer_example timeout 180 python3 examples/disaggregated.py --backend cuda
+      run transfer_example_1p timeout 180 python3 examples/disaggregated.py --backend cuda --processes 1
+      run transfer_example_loopback timeout 120 python3 examples/disaggregated.py --backend cuda --transport loopback
+      run bench_transfer timeout ${TRANSFER_TIMEOUT:-400} python3 -m cupykv.bench transfer --out /tmp/bench_transfer \
+          ${TRANSFER_ARGS:-}
+      cp /tmp/bench_transfer/transfer.md "$OUT/bench_transfer.md" 2>/dev/null ;;
     serve)   # the serving benchmark (SERVE_SHAPES, SERVE_CONTENDERS, SERVE_TIMEOUT); serve.md/json come back
       run serve timeout ${SERVE_TIMEOUT:-420} python3 -m cupykv.bench serve --out /tmp/serve_out \
           --shapes ${SERVE_SHAPES:-gemma-3-4b,gpt-oss-20b} --contenders ${SERVE_CONTENDERS:-cupykv,cupykv_torch,generate_batch}

@@ -33,7 +33,7 @@ def scope_round_trip(device_id: int) -> None:
 
 def run_parts(mgr, step) -> None:
     """The last step's plan.run taken apart, each part called 300 times on the manager's own plan: the whole
-    run, the device scope, the launch's choice and grid (_inline, fused_grid), the driver's launch of the
+    run, the device scope, the launch's choice and grid (route, fused_grid), the driver's launch of the
     step kernel alone (an inline launch, with its real parameters: for a small step the inline kernel's
     512-byte snapshot struct; a step copied from its slot is not launched alone) and the ready event's
     record. Every launch enqueues the last step again: its kernel reads the same snapshot, so it writes what

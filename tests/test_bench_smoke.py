@@ -339,6 +339,22 @@ def test_devices_bench_smoke(tmp_path):
     assert "| [0, 1] |" in (tmp_path / "devices.md").read_text()
 
 
+def test_transfer_bench_smoke(tmp_path):
+    """`python -m cupykv.bench transfer --smoke`: each case moves the bytes its blocks hold (window-only: the
+    window and every full-attention block; whole: every block of every layer), through each transport."""
+    from cupykv.bench.__main__ import main
+    from cupykv.transports.nixl import nixl_available
+    assert main(["transfer", "--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "transfer.json").read_text())["rows"]
+    kinds = (["nixl"] if nixl_available() else []) + ["loopback"]
+    assert [(r["case"], r["transport"]) for r in rows] == [(c, k) for c in ("window-only", "whole") for k in kinds]
+    # SMOKE_SHAPE: 4 layers (window 16, full, window 16, full), 1 KV head of 8, 2-byte KV; 300 tokens, 8 a block
+    page = 8 * 1 * 8 * 2
+    blocks, window = -(-300 // 8), (300 + 1 - 16) // 8
+    want = {"window-only": 2 * 2 * page * (blocks - window) + 2 * 2 * page * blocks, "whole": 4 * 2 * page * blocks}
+    assert all(r["bytes"] == want[r["case"]] for r in rows)
+
+
 def test_serve_smoke_runs_and_agrees():
     """`python -m cupykv.bench serve --smoke` (cupykv and padded generate: generate_batch's setup is slow on a
     CPU) runs, writes its table, and both contenders give the same greedy tokens (float32)."""

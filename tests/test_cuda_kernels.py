@@ -289,9 +289,9 @@ class StepBuffers:
         plan = self.backend.step_plan(slot.twins[0], (self.mirror, self.out, self.row_entry, self.pages,
                                                       self.offsets, self.consts), self.shared)
         if path == "plan":
-            plan._inlines = []
+            plan._inline_routes = []
         if path == "inline_large":
-            plan._inlines = [inline for inline in plan._inlines if inline[0] == INLINE_SNAPSHOT_WORDS]
+            plan._inline_routes = [(fits, route) for fits, route in plan._inline_routes if fits == INLINE_SNAPSHOT_WORDS]
         return plan
 
     def check(self, case, table: np.ndarray, what: str) -> None:

@@ -1253,7 +1253,7 @@ def test_copy_runs_moves_exactly_the_runs(backend_name, unit):
     before anything is enqueued; the table of runs is the backend's own copy."""
     from cupykv.backends import make_backend
     from cupykv.backends.runs import run_table
-    from cupykv.host_tier import _runs
+    from cupykv.allocator import slot_runs as _runs
     from cupykv.kernels import (TIER_COPY_BLOCKS_TO_DEVICE, TIER_COPY_BLOCKS_TO_HOST, TIER_COPY_RUNS_PER_STAGE,
                                 TIER_COPY_THREADS)
     be = make_backend(backend_name)
@@ -1395,8 +1395,8 @@ def test_adjacent_slots_move_as_one_run_each_way(backend_name, monkeypatch):
 
 
 def test_runs_are_the_maximal_stretches_on_both_sides():
-    """host_tier._runs against a loop over the pairs: a run goes on while both sides step by one."""
-    from cupykv.host_tier import _runs
+    """allocator.slot_runs against a loop over the pairs: a run goes on while both sides step by one."""
+    from cupykv.allocator import slot_runs as _runs
     rng = np.random.default_rng(7)
     for _ in range(500):
         n = int(rng.integers(0, 14))

@@ -86,7 +86,8 @@ def copies_from_the_slot(backend_name, monkeypatch) -> None:
     snapshot the driver copies at enqueue and which so holds no slot): as the host backend's steps do."""
     if backend_name == "cuda":
         from cupykv.backends.cuda import CudaStepPlan
-        monkeypatch.setattr(CudaStepPlan, "_inline", lambda self, words, graph: None)
+        from cupykv.backends.plan import StepPlan
+        monkeypatch.setattr(CudaStepPlan, "route", StepPlan.route)      # the copy route, always
 
 
 def test_ring_grows_then_raises_when_exhausted(backend_name, monkeypatch):

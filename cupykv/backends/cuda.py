@@ -16,7 +16,9 @@ import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import cupy
-import cupyx
+# (bound now: cupyx is a lazy module, and two threads that first touch it at once can find its attributes
+# missing, as two managers made in two threads did)
+from cupyx import empty_pinned, zeros_pinned
 import numpy as np
 from cupy.cuda import driver, runtime
 
@@ -412,9 +414,11 @@ class CudaStepPlan(StepPlan):
                 host, fixed, np.int64(mirror.size), self._sync))
             # An inline kernel's driver copy reads its whole snapshot struct at the slot's address: only the
             # kernels whose struct the slot holds (smallest first, as (words, launch)).
-            self._inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
+            inlines = [(words, PackedLaunch(backend._kernel(name), _inline_launch_args(
                 host.value, fixed, np.int64(mirror.size), self._sync)))
                 for name, words in INLINE_STEP_KERNELS if twin.host.size >= words]
+        # (words, the route of a step that fits it): made once, a step only picks one
+        self._inline_routes = [(inline[0], Route(inline, False, inline[0])) for inline in inlines]
         self._grid = (self.planes, consts.num_groups, int(consts.max_blocks), int(consts.max_batch),
                       int(pages.shape[1]), int(consts.num_layers))
         # A graph bakes in every buffer address, so all of them are in its key (a backend may serve several
@@ -435,11 +439,11 @@ class CudaStepPlan(StepPlan):
         replay: such a launch costs the device a few microseconds less than the replay, which reads its
         snapshot over the bus, and the host about as much; the large kernel's costs the host more than a
         replay (docs/host_profile.md in git history, "Small steps launch inline under graphs too")."""
-        kernels = (self._inlines if graph is None else
-                   self._inlines[:1] if self.small_steps_inline_under_graphs else ())
-        for inline in kernels:
-            if words <= inline[0]:
-                return Route(inline, False, inline[0])
+        routes = (self._inline_routes if graph is None else
+                  self._inline_routes[:1] if self.small_steps_inline_under_graphs else ())
+        for fits, route in routes:
+            if words <= fits:
+                return route
         return super().route(words, graph)
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
@@ -537,7 +541,7 @@ def _zeros_pinned(count: int, dtype) -> np.ndarray:
     """cupyx.zeros_pinned, with a failure to pin the memory raised as the MemoryError it is (CUDA reports
     it as a runtime error), as a device allocation that does not fit is."""
     try:
-        return cupyx.zeros_pinned(count, dtype)
+        return zeros_pinned(count, dtype)
     except runtime.CUDARuntimeError as e:
         if e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
             raise
@@ -739,7 +743,7 @@ class CudaBackend:
 
     def pinned_temp(self, words: int) -> np.ndarray:
         """A fresh pinned buffer from CuPy's pool (only for the documented unsafe staging mode)."""
-        return cupyx.empty_pinned(words, np.int32)
+        return empty_pinned(words, np.int32)
 
     def device_empty(self, words: int) -> cupy.ndarray:
         """A zeroed device int32 buffer, initialised in order on the manager stream."""
@@ -828,7 +832,7 @@ class CudaBackend:
     def _copy_runs_by_kernel(self, dst, src, table: np.ndarray, unit_bytes: int, stream: cupy.cuda.Stream,
                              blocks: int) -> None:
         """One cupykv_copy_runs launch of `blocks` blocks for a checked [num_runs, 3] table (run_table) in units."""
-        pinned = cupyx.empty_pinned(table.shape, np.int64)
+        pinned = empty_pinned(table.shape, np.int64)
         np.multiply(table, unit_bytes, out=pinned)           # byte offsets and sizes
         with self.device_context():
             self._kernel("cupykv_copy_runs")((blocks,), (TIER_COPY_THREADS,), (
@@ -993,7 +997,7 @@ class CudaBackend:
         elif not out.flags.c_contiguous or out.nbytes != host.nbytes:
             raise ValueError(f"upload_async: out must be contiguous with {host.nbytes} bytes")
         if host.nbytes:
-            staging = cupyx.empty_pinned(host.shape, host.dtype)
+            staging = empty_pinned(host.shape, host.dtype)
             staging[...] = host
             runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, host.nbytes, runtime.memcpyHostToDevice,
                                 stream.ptr)
@@ -1005,7 +1009,7 @@ class CudaBackend:
         array holds the data once the event has completed; it is kept alive until then even if dropped."""
         if not dev.flags.c_contiguous:
             raise ValueError("download_async: needs a contiguous device array")
-        host = cupyx.empty_pinned(dev.shape, dev.dtype)
+        host = empty_pinned(dev.shape, dev.dtype)
         if dev.nbytes:
             runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
         event = self.record(stream)

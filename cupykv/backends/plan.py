@@ -38,6 +38,7 @@ class StepPlan:
     def __init__(self, backend, twin, buffers: tuple, shared: bool):
         self.backend, self.twin, self.buffers, self.shared = backend, twin, buffers, bool(shared)
         self.dev, self.host = twin.dev, twin.host
+        self._copy_routes: dict = {}        # h2d words -> Route: made once per size (most steps repeat one)
 
     def fits(self, twin) -> bool:
         """Whether this plan is still right for `twin` (its buffers were not replaced by a grown slot)."""
@@ -45,7 +46,13 @@ class StepPlan:
 
     def route(self, words: int, graph: GraphBuckets = None) -> Route:
         """How a step of `words` snapshot words (and these graph buckets) travels: here always a copy."""
-        return Route(None, True, graph[0] if graph is not None else words)
+        h2d = graph[0] if graph is not None else words
+        route = self._copy_routes.get(h2d)
+        if route is None:
+            if len(self._copy_routes) >= 1024:      # sizes are bounded by the slot; keep the memo small anyway
+                self._copy_routes.clear()
+            route = self._copy_routes[h2d] = Route(None, True, h2d)
+        return route
 
     def run(self, stream, mode: int, words: int, num_cells: int, num_entries: int, num_tokens: int,
             graph: GraphBuckets = None, route: Optional[Route] = None):

@@ -20,6 +20,9 @@ Subcommands (each with its own --help):
                                                host and device time per decode step (devices.json, devices.md)
   python -m cupykv.bench serve --out DIR       transformers models served on cupykv against transformers'
                                                continuous batching and generate (serve.json, serve.md)
+  python -m cupykv.bench transfer --out DIR    one 128k-token GPT-OSS-120B request moved between two managers:
+                                               window-only against the whole sequence, NIXL and loopback
+                                               against a plain device copy (transfer.json, transfer.md)
 """
 from __future__ import annotations
 
@@ -292,6 +295,11 @@ def _main_devices(argv: List[str]) -> int:
     return main_devices(argv)
 
 
+def _main_transfer(argv: List[str]) -> int:
+    from .transfer_bench import main as main_transfer
+    return main_transfer(argv)
+
+
 def _main_serve(argv: List[str]) -> int:
     from .serve import main as main_serve
     return main_serve(argv)
@@ -303,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     A first argument 'prefix', 'host-tier' or 'devices' runs that benchmark instead."""
     args = sys.argv[1:] if argv is None else list(argv)
     subcommands = {"prefix": main_prefix, "host-tier": main_host_tier, "devices": _main_devices,
-                   "serve": _main_serve}
+                   "serve": _main_serve, "transfer": _main_transfer}
     if args and args[0] in subcommands:
         return subcommands[args[0]](args[1:])
     settings = parse_args(argv)

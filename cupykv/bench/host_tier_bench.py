@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..allocator import slot_runs
 from ..layout import cdiv
 from ..manager import KVCacheManager
 from ..spec import CacheSpec
@@ -110,13 +111,9 @@ class _Clock:
             e.synchronize()
 
 
-def _copies(dev_slots: List[np.ndarray], host_slots: List[np.ndarray]) -> Optional[int]:
-    """The runs a move makes: where device and host slots both step by one (host_tier._runs)."""
-    try:
-        from ..host_tier import _runs
-        return sum(len(_runs(d, h)) for d, h in zip(dev_slots, host_slots))
-    except Exception:   # noqa: BLE001 - an internal helper; the count is informative only
-        return None
+def _copies(dev_slots: List[np.ndarray], host_slots: List[np.ndarray]) -> int:
+    """The runs a move makes: where device and host slots both step by one (allocator.slot_runs)."""
+    return sum(len(slot_runs(d, h)) for d, h in zip(dev_slots, host_slots))
 
 
 class _Rig:

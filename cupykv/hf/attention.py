@@ -60,22 +60,21 @@ class PagedBatch:
         self.starts = step.start_positions.astype(np.int64)
         self.total = int(self.cu[-1])
         self.layers_seen: List[int] = []
-        # Decode entries of one token each are attended all at once (attend_decode): their first one and
-        # their positions on the model's device, once for every layer.
-        self.num_loop = step.num_contexts
-        n = step.num_tokens[step.num_contexts:]
-        if len(n) and (n == 1).all():
-            device = self.tables.device
-            self.decode_starts = torch.from_numpy(self.starts[step.num_contexts:]).to(device)
-            self.decode_entries = torch.arange(step.num_contexts, step.num_seqs, device=device)
-        else:
-            self.num_loop = step.num_seqs
-        self.fast = None
+        self.fast, self.num_loop = None, step.num_seqs
         if attention == "triton":
             from .triton_attention import TritonAttention
             self.fast = TritonAttention(torch, self.tables.device, self.cu, self.starts, step.num_contexts)
         elif attention != "torch":
             raise InvalidRequestError(f"attention={attention!r}: 'torch' or 'triton'")
+        else:
+            # Decode entries of one token each are attended all at once (attend_decode): their positions and
+            # entries on the model's device, once for every layer (the torch path only).
+            n = step.num_tokens[step.num_contexts:]
+            if len(n) and (n == 1).all():
+                device = self.tables.device
+                self.num_loop = step.num_contexts
+                self.decode_starts = torch.from_numpy(self.starts[step.num_contexts:]).to(device)
+                self.decode_entries = torch.arange(step.num_contexts, step.num_seqs, device=device)
 
     @classmethod
     def probe(cls, spec) -> "PagedBatch":
