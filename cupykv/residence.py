@@ -1,6 +1,7 @@
 """Residence: which requests hold device slots, and letting a row's slots go (a freed request's, through
 KVCacheManager.free; a suspended one's). For the host tier (host_tier.HostTier moves the KV; this keeps
-the books), check and act come in pairs: check_detach / detach, check_attach / attach.
+the books), check and act come in pairs: check_detach / detach, check_attach / attach; for a transfer
+between managers (transfer.KVTransfers), visible_blocks and check_room / receive.
 
 A detached (suspended) request keeps its row, history and capacity; its slots are released behind a
 ledger fence on the event after the copies that read them, its table rows are cleared, and it may not be
@@ -85,13 +86,18 @@ class Residence:
         req = self.requests.get(rid)
         if not req.suspended:
             raise InvalidRequestError(f"request {rid!r} is not suspended")
+        self.check_room(rid, counts, "to resume")
+        return req
+
+    def check_room(self, rid: RequestId, counts: Sequence[int], why: str) -> None:
+        """OutOfSlotsError unless counts[p] device slots of every group p can be had now (this may wait for
+        finish events whose quarantine would cover a shortfall)."""
         for p, need in enumerate(counts):
             if need > self.pools[p].num_available and need > self.ledger.available(p):
                 self.ledger.wait_for_slots(p, need)
                 if need > self.ledger.available(p):
-                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to resume; "
+                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots {why}; "
                                           f"{self.ledger.available(p)} free")
-        return req
 
     def attach(self, rid: RequestId, blocks: Sequence[np.ndarray], copy_back):
         """The suspended request takes device slots for blocks[p] of every group (all or nothing) and is
@@ -119,20 +125,9 @@ class Residence:
                        .astype(np.int64))
         return out
 
-    def check_receive(self, rid: RequestId, blocks: Sequence[np.ndarray]) -> None:
-        """Raise unless a new request `rid` can get len(blocks[p]) device slots of every group p now (this
-        may wait for finish events whose quarantine would cover a shortfall)."""
-        for p, b in enumerate(blocks):
-            need = len(b)
-            if need > self.pools[p].num_available and need > self.ledger.available(p):
-                self.ledger.wait_for_slots(p, need)
-                if need > self.ledger.available(p):
-                    raise OutOfSlotsError(f"request {rid!r}: group {p} needs {need} slots to receive its KV; "
-                                          f"{self.ledger.available(p)} free")
-
     def receive(self, rid: RequestId, prompt_len: int, history: int, blocks: Sequence[np.ndarray]) -> Tuple[Request, List[np.ndarray]]:
         """Add a request whose first `history` tokens' KV will arrive from elsewhere: it takes fresh slots for
-        blocks[p] of every group (the visible blocks at that history; check_receive passed), its history and
+        blocks[p] of every group (the visible blocks at that history; check_room passed), its history and
         capacity are `history`, and it is parked "receiving". Returns it and its slots per group."""
         self.ledger.poll()
         req = self.requests.add(rid, prompt_len)

@@ -286,7 +286,7 @@ class KVTransfers:
         if len(got) != len(want) or any(list(g) != w.tolist() for g, w in zip(got, want)):
             raise InvalidRequestError(f"request {rid!r}: the meta's blocks are not the visible blocks at history "
                                       f"{history} (per group, expected {[len(w) for w in want]} blocks)")
-        mgr.residence.check_receive(rid, want)
+        mgr.residence.check_room(rid, [len(b) for b in want], "to receive its KV")
         # -- nothing has changed so far --
         _, slots = mgr.residence.receive(rid, prompt, history, want)
         inc = self.receiving[rid] = Incoming(rid, meta, storage_descriptors(self.storage, want, slots))

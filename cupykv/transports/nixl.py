@@ -23,6 +23,7 @@ a received request's first step waits for nothing on the device.
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -102,7 +103,6 @@ class NixlRead:
 
     def wait(self, timeout: Optional[float] = None) -> str:
         """Poll until the transfer is done or failed (or `timeout` seconds passed); returns the state."""
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() == "PROC":
             if deadline is not None and time.monotonic() > deadline:
