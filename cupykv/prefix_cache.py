@@ -98,6 +98,16 @@ def retained_ranges(g: LayerGroup, boundaries: Sequence[int], tpb: int) -> List[
     return out
 
 
+def longest_run(mask: np.ndarray) -> Tuple[int, int]:
+    """[a, b): the longest run of True in mask (bool [n]; the first of equal ones), (0, 0) when none."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    if len(edges) == 0:
+        return 0, 0
+    runs = edges.reshape(-1, 2)
+    a, b = runs[np.argmax(runs[:, 1] - runs[:, 0])]
+    return int(a), int(b)
+
+
 class PrefixCache:
     """Hash maps per group, the cached sequences by table row, statistics and events."""
 
@@ -461,14 +471,8 @@ class PrefixCache:
         free = np.ones(hi - lo, bool)
         for a, b in retained_ranges(g, [*seq.boundaries, capacity], self.tpb):
             free[max(a, lo) - lo:max(min(b, hi), lo) - lo] = False
-        if free.all():
-            return lo, hi
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], free.view(np.int8), [0]))))
-        if len(edges) == 0:
-            return (0, 0)
-        runs = edges.reshape(-1, 2)
-        best = runs[np.argmax(runs[:, 1] - runs[:, 0])]
-        return lo + int(best[0]), lo + int(best[1])
+        a, b = longest_run(free)
+        return (lo + a, lo + b) if b > a else (0, 0)
 
     # -- forgetting ------------------------------------------------------------------------------
     def unhash(self, p: int, slots: np.ndarray) -> None:

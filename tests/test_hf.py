@@ -139,6 +139,8 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving():
                   memory_bytes=12_000).add_request(prompts(50)[0], 10)
     with pytest.raises(cupykv.CupykvError, match="exists already"):
         engine.add_request(prompts(3)[0], NEW, rid=ok)
+    with pytest.raises(cupykv.InvalidRequestError, match="attention='flash'"):
+        hf.Engine(model, max_batch=2, tokens_per_block=4, max_seq_len=64, attention="flash")
     while engine.has_unfinished():
         engine.step()
     assert engine.result(ok) == reference_tokens(model, prompts(10)[0], NEW)

@@ -95,6 +95,24 @@ class EngineStats:
     first_token_s: List[float] = field(default_factory=list)
 
 
+def attention_path(attention: str, device, head_dim: int) -> str:
+    """The attention path the engine uses: "triton" or "torch" (see Engine's `attention`). "auto" takes the
+    Triton kernel on CUDA when triton is installed and head_dim is a power of two (the kernel tiles it
+    whole); naming "triton" where it cannot run is refused with InvalidRequestError."""
+    if attention not in ("auto", "torch", "triton"):
+        raise InvalidRequestError(f"attention={attention!r}: 'auto', 'triton' or 'torch'")
+    if attention == "auto":
+        fits = device.type == "cuda" and triton_available(device) and not head_dim & (head_dim - 1)
+        return "triton" if fits else "torch"
+    if attention == "triton" and not triton_available(device):
+        raise InvalidRequestError(f"attention='triton' needs triton and a CUDA device (the model is on "
+                                  f"{device}; on the CPU only under TRITON_INTERPRET=1)")
+    if attention == "triton" and head_dim & (head_dim - 1):
+        raise InvalidRequestError(f"attention='triton': head_dim {head_dim} is not a power of two "
+                                  "(the Triton kernel needs one); use attention='torch'")
+    return attention
+
+
 class Engine:
     """Continuous batching over a cupykv cache for a transformers causal LM (greedy decoding).
 
@@ -134,15 +152,6 @@ class Engine:
         if backend == "host" and self.device.type != "cpu":
             raise InvalidRequestError(f"backend='host' keeps the KV in host memory: the model must be on the CPU "
                                       f"(it is on {self.device}); use backend='cuda'")
-        auto = attention == "auto"
-        if auto:
-            attention = "triton" if self.device.type == "cuda" and triton_available(self.device) else "torch"
-        if attention not in ("torch", "triton"):
-            raise InvalidRequestError(f"attention={attention!r}: 'auto', 'triton' or 'torch'")
-        if attention == "triton" and not triton_available(self.device):
-            raise InvalidRequestError(f"attention='triton' needs triton and a CUDA device (the model is on "
-                                      f"{self.device}; on the CPU only under TRITON_INTERPRET=1)")
-        self.attention = attention
         self.max_step_tokens = int(max_step_tokens) if max_step_tokens is not None else 512 + max_batch
         c = text_config(config)
         seq = int(max_seq_len) if max_seq_len is not None else int(getattr(c, "max_position_embeddings", 4096))
@@ -155,11 +164,7 @@ class Engine:
                                                    memory_bytes)
         spec = spec_from_config(config, **spec_args)
         self.spec = spec
-        if attention == "triton" and spec.head_dim & (spec.head_dim - 1):     # the kernel tiles head_dim whole
-            if not auto:
-                raise InvalidRequestError(f"attention='triton': head_dim {spec.head_dim} is not a power of two "
-                                          "(the Triton kernel needs one); use attention='torch'")
-            self.attention = "torch"
+        self.attention = attention_path(attention, self.device, spec.head_dim)
         register()
         self._probe()                   # refuses a model it cannot serve before anything is allocated
         self.mgr = KVCacheManager(spec, backend=backend, use_graphs=use_graphs)
