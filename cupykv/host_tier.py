@@ -85,8 +85,8 @@ class HostTier:
                                     "would make way (the request stays resident)")
         # -- nothing has changed so far --
         host = [self._take(p, len(b)) for p, (b, _) in enumerate(resident)]
-        if after is not None:
-            be.wait(self.stream, after)
+        for event in after:
+            be.wait(self.stream, event)
         for p, ((_, dev), hs) in enumerate(zip(resident, host)):
             self._copy(p, dev, hs, to_host=True)
         copied = be.record(self.stream)

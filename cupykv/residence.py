@@ -50,12 +50,14 @@ class Residence:
             out.append((cells - table.cells(p, row, 0), table.flat[cells].copy()))
         return out
 
-    def check_detach(self, rid: RequestId):
+    def check_detach(self, rid: RequestId) -> List[object]:
         """Raise unless the request could leave the device now: known, resident, in no unsettled step, and
-        the latest step finished. Returns that step's finish event while it may still run, else None:
-        copies of the request's KV wait for it, since its blocks may have been written by any earlier step
-        (its own, or another request's whose blocks it hit), and each step's finish comes after the
-        previous one's."""
+        the latest step finished. Returns the events that copies of the request's KV must wait for:
+        - the latest step's finish while it may still run, since the request's blocks may have been written
+          by any earlier step (its own, or another request's whose blocks it hit), and each step's finish
+          comes after the previous one's;
+        - the copy that brought its KV here (a resume, a received transfer) while no step has waited for
+          it: that copy may run on another stream and still be writing."""
         req = self.requests.get(rid)
         if req.parked:
             raise InvalidRequestError(f"request {rid!r} is already {req.parked}")
@@ -63,12 +65,12 @@ class Residence:
         if pending:
             raise StepOrderError(f"request {rid!r} is in unsettled step {pending[0].id}: settle it first")
         latest = self.ledger.latest
-        if latest is None or latest.is_complete():
-            return None
-        if not latest.is_finished():
+        running = latest is not None and not latest.is_complete()
+        if running and not latest.is_finished():
             raise StepOrderError(f"request {rid!r}: step {latest.id} is not finished; call step.finish(stream) "
                                  "after its consumer's last write, then suspend")
-        return latest.finished
+        loading = self.requests.loading.get(req.row)
+        return [e for e in (latest.finished if running else None, loading) if e is not None]
 
     def detach(self, rid: RequestId, copied) -> None:
         """The request leaves the device (its KV was copied out): its slots are released, quarantined until
@@ -77,6 +79,7 @@ class Residence:
         req = self.requests.get(rid)
         self.check_detach(rid)
         tag = self.ledger.record_fence(copied)
+        self.requests.loading.pop(req.row, None)        # (copied comes after it: the copies waited for it)
         self.release_row(req.row, tag)
         self.requests.park(req.row, "suspended")
 

@@ -68,6 +68,21 @@ def _plain(value):
     return value
 
 
+def _same_blocks(got, want: Sequence[np.ndarray]) -> bool:
+    """Whether got (from the wire: per group a list of block ordinals) names exactly the blocks of want."""
+    try:
+        return len(got) == len(want) and all(np.array_equal(np.asarray(g, np.int64), w) for g, w in zip(got, want))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _check_event(event, what: str) -> None:
+    """InvalidRequestError unless event is None or an event of a backend (what its record() returns)."""
+    if event is not None and not (callable(getattr(event, "done", None)) and callable(getattr(event, "wait", None))):
+        raise InvalidRequestError(f"{what}={event!r}: not an event of this manager's backend (an event its "
+                                  "record(stream) returns, such as the loopback read's event) nor None")
+
+
 @dataclass
 class Descriptors:
     """The blocks of one request on one side, as regions of its storage.
@@ -214,9 +229,8 @@ class KVTransfers:
                                      "is visible but holds no slot")
         # -- nothing has changed so far --
         be = self.storage.backend
-        for event in (after, mgr.requests.loading.get(req.row)):
-            if event is not None:
-                be.wait(self.stream, event)
+        for event in after:
+            be.wait(self.stream, event)
         ready = be.record(self.stream)
         desc = storage_descriptors(self.storage, blocks, slots)
         source = dict(slots=[s.tolist() for s in slots], addresses=[a.tolist() for a in desc.addresses],
@@ -268,6 +282,9 @@ class KVTransfers:
         if not isinstance(meta, TransferMeta):
             meta = TransferMeta.from_dict(meta)
         rid = meta.request_id if rid is None else rid
+        if not isinstance(meta.layout, Mapping):
+            raise InvalidRequestError(f"request {rid!r}: the meta's layout is a {type(meta.layout).__name__}, not "
+                                      "the mapping layout_signature makes")
         check_layouts(self.layout, meta.layout)
         if mgr.cache is not None:
             raise InvalidRequestError(f"request {rid!r}: this manager has prefix caching on; received KV cannot "
@@ -282,8 +299,7 @@ class KVTransfers:
         if not mgr.requests.free_rows:
             raise CapacityExceededError(f"request {rid!r}: all max_batch={spec.max_batch} rows are in use")
         want = mgr.residence.visible_blocks(0, history)
-        got = meta.blocks
-        if len(got) != len(want) or any(list(g) != w.tolist() for g, w in zip(got, want)):
+        if not _same_blocks(meta.blocks, want):
             raise InvalidRequestError(f"request {rid!r}: the meta's blocks are not the visible blocks at history "
                                       f"{history} (per group, expected {[len(w) for w in want]} blocks)")
         mgr.residence.check_room(rid, [len(b) for b in want], "to receive its KV")
@@ -297,6 +313,7 @@ class KVTransfers:
         after the writes, which the first step that schedules the request waits for): it may be scheduled,
         its history meta.history."""
         inc = self._incoming(rid)
+        _check_event(ready, f"received({rid!r}): ready")
         row = self.manager.request(rid).row
         del self.receiving[rid]
         reqs = self.manager.requests
@@ -309,6 +326,7 @@ class KVTransfers:
         """The transfer failed or was given up: the request is removed and its slots released, quarantined
         until `stopped` (an event after which the transport writes nothing more; None: it already has)."""
         self._incoming(rid)
+        _check_event(stopped, f"unreceive({rid!r}): stopped")
         reqs = self.manager.requests
         row = self.manager.request(rid).row
         del self.receiving[rid]

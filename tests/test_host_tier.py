@@ -891,7 +891,7 @@ def test_gated_copy_out_waits_for_the_last_write(backend_name, variant):
     mgr.synchronize()
     if variant == "unsafe":
         check = mgr.residence.check_detach
-        mgr.residence.check_detach = lambda rid: (check(rid), None)[1]      # no event for the copy to wait on
+        mgr.residence.check_detach = lambda rid: (check(rid), [])[1]        # no event for the copy to wait on
     kv = rig.planned_kv(generation=["a"])
     gate = be.gate(rig.consumer)
     step = rig.prepare(generation=["a"])

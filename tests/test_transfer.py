@@ -43,9 +43,9 @@ def visible(h: int, window) -> np.ndarray:
 class Side:
     """A manager, its storage and transfers; requests' seeds for the oracle."""
 
-    def __init__(self, backend: str, **over):
+    def __init__(self, backend: str, host_tier_bytes=None, **over):
         self.mgr = cupykv.KVCacheManager(spec(**over), backend=backend)
-        self.storage = cupykv.KVStorage(self.mgr)
+        self.storage = cupykv.KVStorage(self.mgr, host_tier_bytes=host_tier_bytes)
         self.transfers = KVTransfers(self.storage)
         self.seeds = {}
 
@@ -231,6 +231,73 @@ def test_a_receiver_that_gives_up_keeps_its_slots_until_the_transport_stops(back
     receiver.mgr.reclaim()
     assert all(h <= set(p.free_slots().tolist()) for h, p in zip(held, receiver.mgr.pools))
     sender.transfers.unsend("r")
+
+
+def received_then_suspended(backend_name):
+    """Receive behind a gated transport copy, mark it received, suspend it before any step: the copy to the
+    host tier must wait for the transport's, and the slots it leaves must not go to another request while
+    the transport may still write them. "y" then needs exactly the slots r's transfer did not take (so it
+    would take r's first, were they free), the gate opens, and both requests must read their own KV."""
+    be = backend_or_skip(backend_name)
+    sender, receiver = Side(be), Side(be, host_tier_bytes=1 << 20, slots_per_group=[8, 8])
+    sender.prefill("r", 16, seed=3)
+    out, inc, read, gate = move(sender, receiver, "r", gate=True)
+    receiver.transfers.received("r", ready=read.event)
+    receiver.seeds["r"] = 3
+    receiver.storage.suspend("r")
+    receiver.mgr.reclaim()
+    receiver.prefill("y", 16, seed=5)
+    gate.open()
+    read.wait()
+    sender.transfers.sent("r")
+    receiver.decode_and_check("y", 1)
+    receiver.mgr.free("y")
+    receiver.mgr.reclaim(wait=True)
+    receiver.storage.resume("r")
+    receiver.decode_and_check("r", 2)
+
+
+def test_a_received_request_suspended_before_its_first_step_keeps_its_kv(backend_name):
+    received_then_suspended(backend_name)
+
+
+def test_without_waiting_for_the_transport_a_suspend_loses_the_received_kv(backend_name, monkeypatch):
+    """The negative control: a suspend that waits only for the latest step (not the transport's copy) is
+    caught by the same checks."""
+    from cupykv.residence import Residence
+    check = Residence.check_detach
+
+    def steps_only(self, rid):
+        loading = self.requests.loading.get(self.requests.get(rid).row)
+        return [e for e in check(self, rid) if e is not loading]
+    monkeypatch.setattr(Residence, "check_detach", steps_only)
+    with pytest.raises(AssertionError):
+        received_then_suspended(backend_name)
+
+
+def test_bad_events_and_metas_are_refused_and_change_nothing(backend_name):
+    sender, receiver = sides(backend_name)
+    sender.prefill("r", 30, seed=3)
+    out = sender.transfers.send("r")
+    wire = json.loads(json.dumps(out.meta.to_dict()))
+    before = receiver.mgr.state()
+    for field, value in [("blocks", None), ("blocks", [1, 2]), ("blocks", "ab"), ("layout", None), ("layout", [])]:
+        with pytest.raises(InvalidRequestError, match="blocks|layout"):
+            receiver.transfers.receive({**wire, field: value})
+        assert receiver.mgr.state() == before and "r" not in receiver.mgr
+    inc = receiver.transfers.receive(wire)
+    read = LoopbackTransport(sender.transfers, receiver.transfers).read(out, inc)
+    read.wait()
+    before = receiver.mgr.state()
+    for call, name in [(receiver.transfers.received, "ready"), (receiver.transfers.unreceive, "stopped")]:
+        for bad in ("not-an-event", 12345):
+            with pytest.raises(InvalidRequestError, match=name):
+                call("r", bad)
+            assert receiver.mgr.state() == before
+    receiver.transfers.received("r", ready=read.event)
+    sender.transfers.sent("r")
+    receiver.seeds["r"] = 3
+    receiver.decode_and_check("r", 2)
 
 
 @pytest.mark.parametrize("over, field", [
