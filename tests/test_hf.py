@@ -53,6 +53,20 @@ def test_tokens_equal_generate(backend, arch, tpb, scratch):
     assert engine.stats.steps > 0 and max(engine.stats.step_tokens) == 13
 
 
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_requests_that_reach_max_seq_len_are_exact(backend, attention):
+    """Decoding up to the last position max_seq_len allows: the table is ceil((63 + 1) / 16) = 4 blocks wide,
+    so the blocks a sliding window spans from the last block run past the table's end, and those columns
+    must count for nothing (the learned sinks make a doubled key change the tokens)."""
+    if attention == "triton" and backend != "cuda":
+        pytest.skip("the Triton path runs on CUDA (the GPU suite)")
+    model = tiny_model("gpt_oss").to(device_of(backend))
+    engine = hf.Engine(model, max_batch=2, tokens_per_block=16, max_seq_len=63, backend=backend,
+                       attention=attention)
+    check_exact(model, engine, prompts(51, 47, 60), new=63 - 60)
+    check_exact(model, engine, prompts(51, seed=3), new=12)
+
+
 def test_window_convention_off_by_one_changes_tokens(monkeypatch):
     """transformers' sliding_window W and cupykv's W are the same keys (p - W, p]: served with W - 1 or W + 1
     the tokens must differ (the test would pass with either otherwise)."""
@@ -141,9 +155,19 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving():
         engine.add_request(prompts(3)[0], NEW, rid=ok)
     with pytest.raises(cupykv.InvalidRequestError, match="attention='flash'"):
         hf.Engine(model, max_batch=2, tokens_per_block=4, max_seq_len=64, attention="flash")
+    with pytest.raises(cupykv.CapacityExceededError, match="max_seq_len"):      # the second prompt is refused:
+        engine.generate([prompts(3)[0], prompts(60)[0]], NEW)                   # the first must not stay queued
+    assert list(engine.requests) == [ok] and [r.rid for r in engine.waiting] == [ok]
+    with pytest.raises(cupykv.UnknownRequestError, match="not in this engine"):
+        engine.result("never-added")
+    chosen = [engine.add_request(prompts(4)[0], NEW, rid=r) for r in range(ok + 1, ok + 9)]   # ids auto ids take
+    auto = engine.add_request(prompts(5)[0], NEW)
+    assert auto not in [ok, *chosen]
     while engine.has_unfinished():
         engine.step()
     assert engine.result(ok) == reference_tokens(model, prompts(10)[0], NEW)
+    assert [engine.result(r) for r in chosen] == [reference_tokens(model, prompts(4)[0], NEW)] * len(chosen)
+    assert engine.result(auto) == reference_tokens(model, prompts(5)[0], NEW)
 
 
 def test_unsupported_models_are_refused_before_anything_is_allocated():

@@ -180,10 +180,13 @@ class PagedBatch:
             b = min(m, a + step)
             starts = self.decode_starts[a:b]
             first = (starts - window + 1).clamp(min=0) // tpb if window is not None else torch.zeros_like(starts)
-            blocks = (first[:, None] + offsets).clamp(max=table.shape[-1] - 1)           # [n, span]
+            wanted = first[:, None] + offsets                                              # [n, span]
+            # Near the table's end the span runs past it: those columns read the last block (any valid
+            # index) and are masked by position (kpos from `wanted` is past every query), not counted twice.
+            blocks = wanted.clamp(max=table.shape[-1] - 1)
             rows = self.decode_entries[a:b, None]
             k_pages, v_pages = table[rows, 0, blocks].long(), table[rows, 1, blocks].long()
-            kpos = (blocks[:, :, None] * tpb + within).flatten(1)                          # [n, span * tpb]
+            kpos = (wanted[:, :, None] * tpb + within).flatten(1)                          # [n, span * tpb]
             visible = (kpos <= starts[:, None]) & (k_pages >= 0).repeat_interleave(tpb, dim=1)
             if window is not None:
                 visible &= kpos > starts[:, None] - window

@@ -34,7 +34,8 @@ from typing import Dict, Hashable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from .. import cuda_available
-from ..errors import CapacityExceededError, CupykvError, InvalidRequestError, OutOfSlotsError
+from ..errors import (CapacityExceededError, CupykvError, InvalidRequestError, OutOfSlotsError,
+                      UnknownRequestError)
 from ..host_tier import HostTierFullError
 from ..manager import KVCacheManager
 from ..storage import KVStorage
@@ -242,6 +243,8 @@ class Engine:
         tokens = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
         if rid is None:
             rid = next(self._ids)
+            while rid in self.requests:                 # (auto ids skip the ids callers chose)
+                rid = next(self._ids)
         if rid in self.requests:
             raise InvalidRequestError(f"request {rid!r} exists already")
         if not tokens:
@@ -274,12 +277,26 @@ class Engine:
         return any(r.state != "done" for r in self.requests.values())
 
     def result(self, rid) -> List[int]:
-        """The tokens generated so far for a request."""
-        return list(self.requests[rid].generated)
+        """The tokens generated so far for a request (UnknownRequestError for an id it does not hold)."""
+        req = self.requests.get(rid) if isinstance(rid, Hashable) else None
+        if req is None:
+            raise UnknownRequestError(f"request {rid!r} is not in this engine (generate() forgets its requests "
+                                      "when it returns)")
+        return list(req.generated)
 
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int, *, cache_salt=None) -> List[List[int]]:
-        """Greedy tokens for every prompt (max_new_tokens each), in order."""
-        rids = [self.add_request(p, max_new_tokens, cache_salt=cache_salt) for p in prompts]
+        """Greedy tokens for every prompt (max_new_tokens each), in order. A prompt add_request refuses
+        refuses the call: none of its prompts stays queued."""
+        rids: List[Hashable] = []
+        try:
+            for p in prompts:
+                rids.append(self.add_request(p, max_new_tokens, cache_salt=cache_salt))
+        except Exception:
+            queued = set(rids)              # by this call, not admitted yet: no step ran since
+            self.waiting = [w for w in self.waiting if w.rid not in queued]
+            for r in rids:
+                del self.requests[r]
+            raise
         while any(self.requests[r].state != "done" for r in rids):
             self.step()
         self.flush()
