@@ -53,7 +53,11 @@ def layout_signature(storage) -> Dict[str, object]:
 
 
 def check_layouts(mine: Mapping, theirs: Mapping) -> None:
-    """TransferLayoutError naming every field that differs."""
+    """TransferLayoutError naming every field that differs (InvalidRequestError when theirs, from the wire,
+    is not the mapping layout_signature makes)."""
+    if not isinstance(theirs, Mapping):
+        raise InvalidRequestError(f"the sender's layout is a {type(theirs).__name__}, not the mapping "
+                                  "layout_signature makes")
     names = sorted(set(mine) | set(theirs))
     diff = [f"{k}: here {mine.get(k)!r}, sender {_plain(theirs.get(k))!r}" for k in names
             if _plain(mine.get(k)) != _plain(theirs.get(k))]
@@ -282,9 +286,6 @@ class KVTransfers:
         if not isinstance(meta, TransferMeta):
             meta = TransferMeta.from_dict(meta)
         rid = meta.request_id if rid is None else rid
-        if not isinstance(meta.layout, Mapping):
-            raise InvalidRequestError(f"request {rid!r}: the meta's layout is a {type(meta.layout).__name__}, not "
-                                      "the mapping layout_signature makes")
         check_layouts(self.layout, meta.layout)
         if mgr.cache is not None:
             raise InvalidRequestError(f"request {rid!r}: this manager has prefix caching on; received KV cannot "
